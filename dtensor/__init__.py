@@ -1,0 +1,54 @@
+"""dtensor: DTensor-style meshes and layouts, natively on JAX.
+
+Importing dtensor never initialises JAX's backends.
+"""
+
+from .api import call_with_layout as call_with_layout
+from .api import check_layout as check_layout
+from .api import copy_to_mesh as copy_to_mesh
+from .api import fetch_layout as fetch_layout
+from .api import pack as pack
+from .api import relayout as relayout
+from .api import unpack as unpack
+from .collectives import all_gather as all_gather
+from .collectives import all_reduce as all_reduce
+from .collectives import broadcast as broadcast
+from .collectives import reduce_scatter as reduce_scatter
+from .layout import UNSHARDED as UNSHARDED
+from .layout import Layout as Layout
+from .layout import LayoutError as LayoutError
+from .mesh import Mesh as Mesh
+from .mesh import MeshError as MeshError
+from .mesh import create_mesh as create_mesh
+from .mesh import current_mesh as current_mesh
+from .reduce_op import ReduceOp as ReduceOp
+from .rules import LayoutMap as LayoutMap
+from .rules import distribute as distribute
+from .rules import resolve_layouts as resolve_layouts
+from .visualize import visualize as visualize
+
+__all__ = [
+    "UNSHARDED",
+    "Layout",
+    "LayoutError",
+    "LayoutMap",
+    "Mesh",
+    "MeshError",
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "call_with_layout",
+    "check_layout",
+    "copy_to_mesh",
+    "create_mesh",
+    "current_mesh",
+    "distribute",
+    "fetch_layout",
+    "pack",
+    "reduce_scatter",
+    "relayout",
+    "resolve_layouts",
+    "unpack",
+    "visualize",
+]

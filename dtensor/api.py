@@ -1,0 +1,251 @@
+"""Operations on laid-out arrays: relayout, pack/unpack, fetch/check, creation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .layout import Layout, LayoutError
+from .mesh import Mesh
+
+__all__ = [
+    "relayout",
+    "pack",
+    "unpack",
+    "fetch_layout",
+    "check_layout",
+    "call_with_layout",
+    "copy_to_mesh",
+    "is_traced",
+]
+
+
+def is_traced(x: Any) -> bool:
+    """Whether ``x`` is an abstract value inside a JAX trace (``jax.jit`` etc.)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
+    """Give ``x`` the layout ``layout``.
+
+    Eagerly this moves data between devices (XLA picks the collectives);
+    inside ``jax.jit`` it is a sharding constraint (``with_sharding_constraint``
+    on Auto axes, ``jax.sharding.reshard`` on Explicit ones). A partial layout
+    as the source reduces (see :mod:`dtensor.partial`).
+
+    Args:
+        x: a ``jax.Array`` (or host data, which is copied to the mesh).
+        layout: the target layout.
+        name: how ``x`` is named in error messages (a pytree path, say).
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("batch", 4), ("model", 2)])
+        >>> x = dtensor.copy_to_mesh(jnp.arange(16.0).reshape(8, 2), dtensor.Layout(["batch", None], mesh))
+        >>> y = dtensor.relayout(x, dtensor.Layout([None, "model"], mesh))
+        >>> dtensor.fetch_layout(y)
+        Layout([UNSHARDED, 'model'], mesh=Mesh(batch=4, model=2))
+        >>> bool((y == x).all())
+        True
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"relayout of {name} needs a dtensor.Layout, got {type(layout).__name__}.")
+    if layout.is_partial:
+        raise LayoutError(
+            f"cannot relayout {name} *to* the partial layout {layout!r}: partial values come "
+            "from computations, not from moving data. Relayout to a non-partial layout."
+        )
+    layout.check_shape(_shape(x), name)
+    if is_traced(x):
+        if layout.mesh.axis_types == "explicit":
+            return jax.sharding.reshard(x, layout.sharding)
+        return jax.lax.with_sharding_constraint(x, layout.sharding)
+    if not isinstance(x, jax.Array):
+        return copy_to_mesh(x, layout, name=name)
+    if x.is_fully_addressable and layout.mesh.is_multi_process is False:
+        return jax.device_put(x, layout.sharding)
+    return _reshard_jit(layout.sharding)(x)
+
+
+_RESHARD_CACHE: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _reshard_jit(sharding: jax.sharding.Sharding) -> Callable[[Any], Any]:
+    fn = _RESHARD_CACHE.get(sharding)
+    if fn is None:
+        fn = _RESHARD_CACHE[sharding] = jax.jit(lambda a: a, out_shardings=sharding)
+    return fn
+
+
+def copy_to_mesh(x: Any, layout: Layout, *, name: str = "array") -> jax.Array:
+    """Copy host or single-device data onto the mesh in ``layout``.
+
+    In a multi-process run each process passes the same full value and only
+    its own devices' blocks are transferred.
+
+    Examples:
+        >>> import dtensor, numpy as np
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> y = dtensor.copy_to_mesh(np.ones((8, 3)), dtensor.Layout(["x", None], mesh))
+        >>> y.shape, len(y.addressable_shards), y.addressable_shards[0].data.shape
+        ((8, 3), 8, (1, 3))
+    """
+    layout.check_shape(_shape(x), name)
+    if isinstance(x, jax.Array) and x.is_fully_addressable and not layout.mesh.is_multi_process:
+        return jax.device_put(x, layout.sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, layout.sharding, lambda idx: host[idx])
+
+
+def fetch_layout(x: Any) -> Layout:
+    """The layout of a global array.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> y = dtensor.copy_to_mesh(jnp.zeros((16,)), dtensor.Layout(["x"], mesh))
+        >>> dtensor.fetch_layout(y)
+        Layout(['x'], mesh=Mesh(x=8))
+    """
+    if is_traced(x):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+            return Layout.from_sharding(sharding, rank=x.ndim)
+        raise LayoutError(
+            "fetch_layout got a traced value inside jax.jit; its layout is decided by the "
+            "compiler. Call fetch_layout on the jit's result, or use Explicit mesh axes."
+        )
+    if not isinstance(x, jax.Array):
+        raise TypeError(
+            f"fetch_layout needs a jax.Array, got {type(x).__name__}. Put host data on a mesh "
+            "with dtensor.copy_to_mesh first."
+        )
+    return Layout.from_sharding(x.sharding, rank=x.ndim)
+
+
+def check_layout(x: Any, layout: Layout, *, name: str = "array") -> None:
+    """Raise a :class:`LayoutError` unless ``x`` has (an equivalent of) ``layout``.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> y = dtensor.copy_to_mesh(jnp.zeros((8,)), dtensor.Layout(["x"], mesh))
+        >>> dtensor.check_layout(y, dtensor.Layout(["x"], mesh))
+    """
+    layout.check_shape(_shape(x), name)
+    actual = fetch_layout(x)
+    if actual == layout:
+        return
+    if actual.mesh == layout.mesh and x.sharding.is_equivalent_to(layout.sharding, x.ndim):
+        return
+    raise LayoutError(
+        f"{name} has layout {actual!r} but {layout!r} was expected. Move it with "
+        "dtensor.relayout(x, layout)."
+    )
+
+
+def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.Array:
+    """Assemble one global array from per-device blocks.
+
+    ``shards`` has one block per device of this process, in mesh order
+    (``layout.mesh.local_devices``); devices that hold copies of the same block
+    (replicated mesh axes) each get their own entry, which must be equal.
+
+    Examples:
+        >>> import dtensor, numpy as np
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> x = dtensor.pack([np.full((1, 2), i) for i in range(8)], dtensor.Layout(["x", None], mesh))
+        >>> x.shape, int(x[5, 0])
+        ((8, 2), 5)
+    """
+    devices = layout.mesh.local_devices
+    if len(shards) != len(devices):
+        raise LayoutError(
+            f"pack of {name} got {len(shards)} blocks, but {layout!r} has {len(devices)} devices "
+            "in this process. Give one block per local device, in mesh order."
+        )
+    shapes = {_shape(s) for s in shards}
+    if len(shapes) != 1:
+        raise LayoutError(
+            f"pack of {name} got blocks of different shapes {sorted(shapes)}; every device's "
+            "block has the same local shape."
+        )
+    (local,) = shapes
+    global_shape = layout.global_shape(local)
+    arrays = [jax.device_put(s, d) for s, d in zip(shards, devices, strict=True)]
+    return jax.make_array_from_single_device_arrays(global_shape, layout.sharding, arrays)
+
+
+def unpack(x: jax.Array) -> list[jax.Array]:
+    """The per-device blocks of ``x``, one per local device in mesh order.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 4), ("y", 2)])
+        >>> x = dtensor.copy_to_mesh(jnp.arange(8.0), dtensor.Layout(["x"], mesh))
+        >>> [float(b[0]) for b in dtensor.unpack(x)]
+        [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
+    """
+    layout = fetch_layout(x)
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return [by_device[d] for d in layout.mesh.local_devices]
+
+
+def call_with_layout(fn: Callable[..., Any], layout: Layout | Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` under ``jax.jit`` so its result is created directly in ``layout``.
+
+    Each device computes only its own block: the whole array is never
+    materialised on one device. ``layout`` may be a pytree of layouts that
+    matches ``fn``'s output.
+
+    Examples:
+        >>> import dtensor, jax
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> layout = dtensor.Layout(["x", None], mesh)
+        >>> w = dtensor.call_with_layout(jax.random.normal, layout, jax.random.key(0), (64, 4))
+        >>> dtensor.fetch_layout(w) == layout
+        True
+    """
+    flat, argdef = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, v in enumerate(flat) if isinstance(v, jax.Array | np.ndarray)]
+
+    def bound(*arrays: Any) -> Any:
+        values = list(flat)
+        for i, a in zip(dyn, arrays, strict=True):
+            values[i] = a
+        a, kw = jax.tree.unflatten(argdef, values)
+        return fn(*a, **kw)
+
+    arrays = [flat[i] for i in dyn]
+    name = getattr(fn, "__name__", "fn")
+    out = jax.eval_shape(bound, *arrays)
+    out_leaves, treedef = jax.tree.flatten(out)
+    if isinstance(layout, Layout):
+        layouts = [layout] * len(out_leaves)
+    else:
+        layouts = jax.tree.leaves(layout, is_leaf=lambda v: isinstance(v, Layout))
+        if len(layouts) != len(out_leaves):
+            raise LayoutError(
+                f"call_with_layout got {len(layouts)} layouts for {len(out_leaves)} outputs of "
+                f"{name}; give one layout per output (or a single Layout)."
+            )
+    for i, (leaf, lay) in enumerate(zip(out_leaves, layouts, strict=True)):
+        lay.check_shape(leaf.shape, f"output {i} of {name}")
+    shardings = jax.tree.unflatten(treedef, [lay.sharding for lay in layouts])
+    return jax.jit(bound, out_shardings=shardings)(*arrays)
+
+
+def mesh_of(x: Any) -> Mesh | None:
+    """The mesh of a laid-out array, or ``None`` for other values."""
+    if isinstance(x, jax.Array) and not is_traced(x):
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+            return Mesh(sharding.mesh)
+    return None

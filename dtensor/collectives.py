@@ -1,0 +1,223 @@
+"""Collectives over named mesh axes on global arrays (`jax.shard_map` + `jax.lax`).
+
+Each function looks at a global array the way DTensor does: every device holds
+a *block* (its shard under the array's layout) and the collective combines the
+blocks of the devices along ``axes``. The result is again a global array:
+
+- ``all_reduce``: every device along ``axes`` ends with the combination of
+  their blocks; the result is replicated over ``axes`` (a dimension that was
+  split over ``axes`` keeps its block size).
+- ``all_gather``: blocks along ``axes`` are concatenated; values unchanged,
+  the dimension is no longer split over ``axes``.
+- ``reduce_scatter``: blocks along ``axes`` are combined and the result split
+  over ``axes`` along ``dim``.
+- ``broadcast``: every device along ``axes`` gets the block of the device at
+  position ``source`` along them.
+
+They work eagerly and inside ``jax.jit`` (pass ``layout=``, the input's layout,
+for traced values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .api import fetch_layout, is_traced
+from .layout import UNSHARDED, Layout, LayoutError
+from .reduce_op import ReduceOp
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+
+
+def _axes(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _input_layout(x: Any, layout: Layout | None, fn: str) -> Layout:
+    if layout is not None:
+        layout.check_shape(x.shape, f"{fn} input")
+        return layout
+    if is_traced(x):
+        raise LayoutError(
+            f"{fn} inside jax.jit needs layout= (the input's Layout): a traced value's layout is "
+            "not known until compilation."
+        )
+    return fetch_layout(x)
+
+
+def _without(layout: Layout, axes: tuple[str, ...]) -> list[Any]:
+    out: list[Any] = []
+    for dim in range(layout.rank):
+        kept = tuple(a for a in layout.axes(dim) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return out
+
+
+def _check_axes(layout: Layout, axes: tuple[str, ...], fn: str) -> None:
+    for a in axes:
+        if a not in layout.mesh.dim_names:
+            raise LayoutError(
+                f"{fn} over mesh axis {a!r}, but the array's mesh {layout.mesh!r} has axes "
+                f"{layout.mesh.dim_names}. Use one of those."
+            )
+
+
+def _spec(specs: Sequence[Any]) -> PartitionSpec:
+    return PartitionSpec(*(None if s == UNSHARDED else s for s in specs))
+
+
+def _shard_map(fn: Any, layout: Layout, out_specs: Sequence[Any], x: Any, *, check_vma: bool = True) -> Any:
+    return jax.shard_map(
+        fn,
+        mesh=layout.mesh.jax_mesh,
+        in_specs=(layout.partition_spec,),
+        out_specs=_spec(out_specs),
+        check_vma=check_vma,
+    )(x)
+
+
+def _reduce(block: Any, axes: tuple[str, ...], op: ReduceOp) -> Any:
+    if op is ReduceOp.SUM:
+        return jax.lax.psum(block, axes)
+    if op is ReduceOp.MEAN:
+        return jax.lax.pmean(block, axes)
+    if op is ReduceOp.MAX:
+        return jax.lax.pmax(block, axes)
+    return jax.lax.pmin(block, axes)
+
+
+def all_reduce(
+    x: jax.Array, axes: str | Sequence[str], op: ReduceOp | str = ReduceOp.SUM, *, layout: Layout | None = None
+) -> jax.Array:
+    """Combine the blocks of the devices along ``axes``.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> x = dtensor.copy_to_mesh(jnp.arange(8.0), dtensor.Layout(["x"], mesh))
+        >>> dtensor.all_reduce(x, "x")          # the sum of the eight 1-element blocks
+        Array([28.], dtype=float32)
+        >>> dtensor.all_reduce(x, "x", dtensor.ReduceOp.MAX)
+        Array([7.], dtype=float32)
+    """
+    op = ReduceOp.parse(op)
+    axes = _axes(axes)
+    layout = _input_layout(x, layout, "all_reduce")
+    _check_axes(layout, axes, "all_reduce")
+    return _shard_map(lambda b: _reduce(b, axes, op), layout, _without(layout, axes), x)
+
+
+def all_gather(x: jax.Array, axes: str | Sequence[str], *, layout: Layout | None = None) -> jax.Array:
+    """Concatenate the blocks along ``axes``: the dimension they split becomes whole.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> x = dtensor.copy_to_mesh(jnp.arange(8.0), dtensor.Layout(["x"], mesh))
+        >>> y = dtensor.all_gather(x, "x")
+        >>> dtensor.fetch_layout(y).is_fully_replicated(), bool((y == x).all())
+        (True, True)
+    """
+    axes = _axes(axes)
+    layout = _input_layout(x, layout, "all_gather")
+    _check_axes(layout, axes, "all_gather")
+    dims = [d for d in range(layout.rank) if set(axes) & set(layout.axes(d))]
+    if len(dims) != 1 or tuple(a for a in layout.axes(dims[0]) if a in axes) != axes:
+        raise LayoutError(
+            f"all_gather over {axes} needs one dimension split over exactly those axes (in that "
+            f"order); the array's layout is {layout!r}. Relayout it first or name the right axes."
+        )
+    dim = dims[0]
+    # Gather the minor-most axes of the dimension: they must be the trailing ones.
+    dim_axes = layout.axes(dim)
+    if dim_axes[len(dim_axes) - len(axes):] != axes:
+        raise LayoutError(
+            f"all_gather over {axes}: dimension {dim} is split over {dim_axes}, and only its "
+            "innermost (last) axes can be gathered while the others stay split."
+        )
+    return _shard_map(
+        lambda b: jax.lax.all_gather(b, axes, axis=dim, tiled=True),
+        layout,
+        _without(layout, axes),
+        x,
+        check_vma=False,  # all_gather's result is the same on every device along `axes`.
+    )
+
+
+def reduce_scatter(
+    x: jax.Array,
+    axes: str | Sequence[str],
+    *,
+    dim: int = 0,
+    op: ReduceOp | str = ReduceOp.SUM,
+    layout: Layout | None = None,
+) -> jax.Array:
+    """Combine the blocks along ``axes`` and split the result over them along ``dim``.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> x = dtensor.copy_to_mesh(jnp.ones((8,)), dtensor.Layout.replicated(mesh, 1))
+        >>> y = dtensor.reduce_scatter(x, "x")    # 8 replicas of ones, summed, then split
+        >>> y, dtensor.fetch_layout(y)
+        (Array([8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32), Layout(['x'], mesh=Mesh(x=8)))
+    """
+    op = ReduceOp.parse(op)
+    axes = _axes(axes)
+    layout = _input_layout(x, layout, "reduce_scatter")
+    _check_axes(layout, axes, "reduce_scatter")
+    if not 0 <= dim < layout.rank:
+        raise LayoutError(f"reduce_scatter dim={dim} is out of range for rank {layout.rank}.")
+    n = layout.mesh.axis_size(axes)
+    block = layout.local_shape(x.shape)
+    if block[dim] % n:
+        raise LayoutError(
+            f"reduce_scatter over {axes} splits dimension {dim} of each block (size {block[dim]}) "
+            f"into {n} pieces, which does not divide. Pad the dimension to a multiple of {n}."
+        )
+    out = _without(layout, axes)
+    kept = out[dim]
+    out[dim] = (*(() if kept is None else (kept,) if isinstance(kept, str) else kept), *axes)
+
+    def fn(b: Any) -> Any:
+        if op in (ReduceOp.SUM, ReduceOp.MEAN):
+            r = jax.lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
+            return r / n if op is ReduceOp.MEAN else r
+        full = _reduce(b, axes, op)
+        size = block[dim] // n
+        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axes) * size, size, axis=dim)
+
+    return _shard_map(fn, layout, out, x)
+
+
+def broadcast(
+    x: jax.Array, axes: str | Sequence[str], *, source: int = 0, layout: Layout | None = None
+) -> jax.Array:
+    """Give every device along ``axes`` the block of the device at position ``source``.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> x = dtensor.copy_to_mesh(jnp.arange(8.0), dtensor.Layout(["x"], mesh))
+        >>> dtensor.broadcast(x, "x", source=3)
+        Array([3.], dtype=float32)
+    """
+    axes = _axes(axes)
+    layout = _input_layout(x, layout, "broadcast")
+    _check_axes(layout, axes, "broadcast")
+    n = layout.mesh.axis_size(axes)
+    if not 0 <= source < n:
+        raise LayoutError(f"broadcast source={source} is out of range; mesh axes {axes} have {n} positions.")
+
+    def fn(b: Any) -> Any:
+        mine = jax.lax.axis_index(axes) == source
+        if b.dtype == jnp.bool_:
+            return jax.lax.psum(jnp.where(mine, b, False).astype(jnp.int32), axes).astype(jnp.bool_)
+        return jax.lax.psum(jnp.where(mine, b, jnp.zeros_like(b)), axes)
+
+    return _shard_map(fn, layout, _without(layout, axes), x)
