@@ -3,6 +3,7 @@
 Importing dtensor never initialises JAX's backends.
 """
 
+from . import checkpoint as checkpoint
 from .api import call_with_layout as call_with_layout
 from .api import check_layout as check_layout
 from .api import copy_to_mesh as copy_to_mesh
@@ -14,6 +15,9 @@ from .collectives import all_gather as all_gather
 from .collectives import all_reduce as all_reduce
 from .collectives import broadcast as broadcast
 from .collectives import reduce_scatter as reduce_scatter
+from .input import DTensorDataset as DTensorDataset
+from .inspect import Report as Report
+from .inspect import explain as explain
 from .layout import UNSHARDED as UNSHARDED
 from .layout import Layout as Layout
 from .layout import LayoutError as LayoutError
@@ -28,6 +32,7 @@ from .rules import resolve_layouts as resolve_layouts
 from .visualize import visualize as visualize
 
 __all__ = [
+    "DTensorDataset",
     "UNSHARDED",
     "Layout",
     "LayoutError",
@@ -35,15 +40,18 @@ __all__ = [
     "Mesh",
     "MeshError",
     "ReduceOp",
+    "Report",
     "all_gather",
     "all_reduce",
     "broadcast",
     "call_with_layout",
     "check_layout",
+    "checkpoint",
     "copy_to_mesh",
     "create_mesh",
     "current_mesh",
     "distribute",
+    "explain",
     "fetch_layout",
     "pack",
     "reduce_scatter",

@@ -6,10 +6,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from .layout import Layout, LayoutError
-from .mesh import Mesh
+from .mesh import Mesh, current_mesh
 
 __all__ = [
     "relayout",
@@ -116,11 +117,24 @@ def fetch_layout(x: Any) -> Layout:
     """
     if is_traced(x):
         sharding = getattr(jax.typeof(x), "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
-            return Layout.from_sharding(sharding, rank=x.ndim)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            if isinstance(sharding.mesh, jax.sharding.Mesh):
+                return Layout.from_sharding(sharding, rank=x.ndim)
+            explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+            mesh = current_mesh()
+            if explicit and mesh is not None and mesh.jax_mesh.abstract_mesh == sharding.mesh:
+                concrete = jax.sharding.NamedSharding(mesh.jax_mesh, sharding.spec)
+                return Layout.from_sharding(concrete, rank=x.ndim)
+            if explicit:
+                raise LayoutError(
+                    f"fetch_layout got a traced value inside jax.jit whose type names the abstract "
+                    f"mesh {sharding.mesh} (spec {sharding.spec}), but that mesh is not the current "
+                    "one. Run the jitted function inside `with mesh:` for that dtensor.Mesh."
+                )
         raise LayoutError(
-            "fetch_layout got a traced value inside jax.jit; its layout is decided by the "
-            "compiler. Call fetch_layout on the jit's result, or use Explicit mesh axes."
+            "fetch_layout got a traced value inside jax.jit; on Auto mesh axes its layout is "
+            "decided by the compiler. Call fetch_layout on the jit's result, or use a mesh with "
+            "axis_types='explicit' and run inside `with mesh:`."
         )
     if not isinstance(x, jax.Array):
         raise TypeError(
@@ -179,8 +193,37 @@ def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.A
         )
     (local,) = shapes
     global_shape = layout.global_shape(local)
+    _check_copies_equal(shards, devices, layout, global_shape, name)
     arrays = [jax.device_put(s, d) for s, d in zip(shards, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(global_shape, layout.sharding, arrays)
+
+
+def _check_copies_equal(
+    shards: Sequence[Any],
+    devices: Sequence[Any],
+    layout: Layout,
+    global_shape: tuple[int, ...],
+    name: str,
+) -> None:
+    """Devices that hold the same block (replicated mesh axes) must be given equal copies."""
+    index_map = layout.sharding.devices_indices_map(global_shape)
+    first: dict[tuple[tuple[int, int], ...], tuple[int, np.ndarray]] = {}
+    for i, (shard, device) in enumerate(zip(shards, devices, strict=True)):
+        key = tuple(
+            sl.indices(n)[:2] for sl, n in zip(index_map[device], global_shape, strict=True)
+        )
+        value = np.asarray(shard)
+        if key not in first:
+            first[key] = (i, value)
+            continue
+        j, ref = first[key]
+        nan = np.issubdtype(value.dtype, np.inexact) and np.issubdtype(ref.dtype, np.inexact)
+        if not np.array_equal(ref, value, equal_nan=bool(nan)):
+            raise LayoutError(
+                f"pack of {name} got different blocks {j} and {i} for devices {devices[j].id} and "
+                f"{device.id}, which hold the same block under {layout!r} (a mesh axis the layout "
+                "does not split replicates it). Give every copy of a block the same value."
+            )
 
 
 def unpack(x: jax.Array) -> list[jax.Array]:
@@ -198,7 +241,9 @@ def unpack(x: jax.Array) -> list[jax.Array]:
     return [by_device[d] for d in layout.mesh.local_devices]
 
 
-def call_with_layout(fn: Callable[..., Any], layout: Layout | Any, *args: Any, **kwargs: Any) -> Any:
+def call_with_layout(
+    fn: Callable[..., Any], layout: Layout | Any, *args: Any, **kwargs: Any
+) -> Any:
     """Call ``fn`` under ``jax.jit`` so its result is created directly in ``layout``.
 
     Each device computes only its own block: the whole array is never
@@ -246,6 +291,8 @@ def mesh_of(x: Any) -> Mesh | None:
     """The mesh of a laid-out array, or ``None`` for other values."""
     if isinstance(x, jax.Array) and not is_traced(x):
         sharding = x.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+            sharding.mesh, jax.sharding.Mesh
+        ):
             return Mesh(sharding.mesh)
     return None

@@ -71,7 +71,9 @@ def _spec(specs: Sequence[Any]) -> PartitionSpec:
     return PartitionSpec(*(None if s == UNSHARDED else s for s in specs))
 
 
-def _shard_map(fn: Any, layout: Layout, out_specs: Sequence[Any], x: Any, *, check_vma: bool = True) -> Any:
+def _shard_map(
+    fn: Any, layout: Layout, out_specs: Sequence[Any], x: Any, *, check_vma: bool = True
+) -> Any:
     return jax.shard_map(
         fn,
         mesh=layout.mesh.jax_mesh,
@@ -79,6 +81,17 @@ def _shard_map(fn: Any, layout: Layout, out_specs: Sequence[Any], x: Any, *, che
         out_specs=_spec(out_specs),
         check_vma=check_vma,
     )(x)
+
+
+def _varying(block: Any, layout: Layout, axes: tuple[str, ...]) -> Any:
+    """Mark ``block`` as varying over the ``axes`` the layout replicates it on.
+
+    Every device's block takes part in a collective, copies included; JAX's
+    collectives refuse a mix of varying and replicated (invariant) axes.
+    """
+    split = {a for d in range(layout.rank) for a in layout.axes(d)}
+    invariant = tuple(a for a in axes if a not in split)
+    return jax.lax.pcast(block, invariant, to="varying") if invariant else block
 
 
 def _reduce(block: Any, axes: tuple[str, ...], op: ReduceOp) -> Any:
@@ -92,7 +105,11 @@ def _reduce(block: Any, axes: tuple[str, ...], op: ReduceOp) -> Any:
 
 
 def all_reduce(
-    x: jax.Array, axes: str | Sequence[str], op: ReduceOp | str = ReduceOp.SUM, *, layout: Layout | None = None
+    x: jax.Array,
+    axes: str | Sequence[str],
+    op: ReduceOp | str = ReduceOp.SUM,
+    *,
+    layout: Layout | None = None,
 ) -> jax.Array:
     """Combine the blocks of the devices along ``axes``.
 
@@ -109,10 +126,14 @@ def all_reduce(
     axes = _axes(axes)
     layout = _input_layout(x, layout, "all_reduce")
     _check_axes(layout, axes, "all_reduce")
-    return _shard_map(lambda b: _reduce(b, axes, op), layout, _without(layout, axes), x)
+    return _shard_map(
+        lambda b: _reduce(_varying(b, layout, axes), axes, op), layout, _without(layout, axes), x
+    )
 
 
-def all_gather(x: jax.Array, axes: str | Sequence[str], *, layout: Layout | None = None) -> jax.Array:
+def all_gather(
+    x: jax.Array, axes: str | Sequence[str], *, layout: Layout | None = None
+) -> jax.Array:
     """Concatenate the blocks along ``axes``: the dimension they split becomes whole.
 
     Examples:
@@ -135,7 +156,7 @@ def all_gather(x: jax.Array, axes: str | Sequence[str], *, layout: Layout | None
     dim = dims[0]
     # Gather the minor-most axes of the dimension: they must be the trailing ones.
     dim_axes = layout.axes(dim)
-    if dim_axes[len(dim_axes) - len(axes):] != axes:
+    if dim_axes[len(dim_axes) - len(axes) :] != axes:
         raise LayoutError(
             f"all_gather over {axes}: dimension {dim} is split over {dim_axes}, and only its "
             "innermost (last) axes can be gathered while the others stay split."
@@ -185,6 +206,7 @@ def reduce_scatter(
     out[dim] = (*(() if kept is None else (kept,) if isinstance(kept, str) else kept), *axes)
 
     def fn(b: Any) -> Any:
+        b = _varying(b, layout, axes)
         if op in (ReduceOp.SUM, ReduceOp.MEAN):
             r = jax.lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
             return r / n if op is ReduceOp.MEAN else r
@@ -212,9 +234,12 @@ def broadcast(
     _check_axes(layout, axes, "broadcast")
     n = layout.mesh.axis_size(axes)
     if not 0 <= source < n:
-        raise LayoutError(f"broadcast source={source} is out of range; mesh axes {axes} have {n} positions.")
+        raise LayoutError(
+            f"broadcast source={source} is out of range; mesh axes {axes} have {n} positions."
+        )
 
     def fn(b: Any) -> Any:
+        b = _varying(b, layout, axes)
         mine = jax.lax.axis_index(axes) == source
         if b.dtype == jnp.bool_:
             return jax.lax.psum(jnp.where(mine, b, False).astype(jnp.int32), axes).astype(jnp.bool_)

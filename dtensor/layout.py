@@ -110,11 +110,16 @@ class Layout:
         if isinstance(partial_axes, str):
             partial_axes = (partial_axes,)
         op = ReduceOp.parse(reduce_op)
+        if not partial_axes:
+            op = ReduceOp.SUM  # Only partial values combine; keeps equal layouts equal.
         object.__setattr__(self, "sharding_specs", specs)
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "partial_axes", tuple(partial_axes))
         object.__setattr__(self, "reduce_op", op)
         self._validate()
+        # Partial axes are a set: keep them once each, in mesh order.
+        names = mesh.dim_names
+        object.__setattr__(self, "partial_axes", tuple(a for a in names if a in self.partial_axes))
 
     def _validate(self) -> None:
         names = self.mesh.dim_names
@@ -164,7 +169,9 @@ class Layout:
         return cls([UNSHARDED] * rank, mesh)
 
     @classmethod
-    def batch_sharded(cls, mesh: Mesh, batch_dim: str | tuple[str, ...], rank: int, axis: int = 0) -> Layout:
+    def batch_sharded(
+        cls, mesh: Mesh, batch_dim: str | tuple[str, ...], rank: int, axis: int = 0
+    ) -> Layout:
         """Dimension ``axis`` split over mesh axis ``batch_dim``; the rest replicated.
 
         Examples:
@@ -217,7 +224,12 @@ class Layout:
             if rank is None:
                 raise LayoutError("Layout.partial needs rank= or sharding_specs=; give one.")
             sharding_specs = [UNSHARDED] * rank
-        return cls(sharding_specs, mesh, partial_axes=tuple([axes] if isinstance(axes, str) else axes), reduce_op=op)
+        return cls(
+            sharding_specs,
+            mesh,
+            partial_axes=tuple([axes] if isinstance(axes, str) else axes),
+            reduce_op=op,
+        )
 
     @classmethod
     def from_sharding(cls, sharding: jax.sharding.Sharding, rank: int | None = None) -> Layout:
@@ -246,11 +258,12 @@ class Layout:
             if rank is not None:
                 if len(spec) > rank:
                     raise LayoutError(
-                        f"sharding spec {sharding.spec} has {len(spec)} entries but rank is {rank}."
+                        f"sharding spec {sharding.spec} has {len(spec)} entries but rank is {rank}; "
+                        "a spec has at most one entry per dimension. Pass the array's rank."
                     )
                 spec = spec + (None,) * (rank - len(spec))
             unreduced = tuple(getattr(sharding.spec, "unreduced", ()) or ())
-            return cls(list(spec), Mesh(sharding.mesh), partial_axes=tuple(sorted(unreduced)))
+            return cls(list(spec), Mesh(sharding.mesh), partial_axes=unreduced)
         if isinstance(sharding, jax.sharding.SingleDeviceSharding):
             if rank is None:
                 raise LayoutError("a single-device sharding needs rank= to give a layout.")
@@ -339,7 +352,9 @@ class Layout:
 
     def with_mesh(self, mesh: Mesh) -> Layout:
         """The same specs over another mesh with the axes they name."""
-        return Layout(self.sharding_specs, mesh, partial_axes=self.partial_axes, reduce_op=self.reduce_op)
+        return Layout(
+            self.sharding_specs, mesh, partial_axes=self.partial_axes, reduce_op=self.reduce_op
+        )
 
     def unreduced(self) -> Layout:
         """This layout without its partial axes (what a reduction produces)."""
@@ -367,7 +382,9 @@ class Layout:
         return text
 
     @classmethod
-    def from_string(cls, text: str, mesh: Mesh | None = None, *, devices: Sequence[Any] | None = None) -> Layout:
+    def from_string(
+        cls, text: str, mesh: Mesh | None = None, *, devices: Sequence[Any] | None = None
+    ) -> Layout:
         """Parse :meth:`to_string`'s form.
 
         Args:
@@ -394,7 +411,9 @@ class Layout:
         for item in m.group("specs").split(","):
             item = item.strip()
             if not item:
-                raise LayoutError(f"layout string {text!r} has an empty dimension spec; write 'unsharded'.")
+                raise LayoutError(
+                    f"layout string {text!r} has an empty dimension spec; write 'unsharded'."
+                )
             specs.append(UNSHARDED if item == UNSHARDED else tuple(item.split("+")))
         if mesh is None:
             if m.group("dims") is None:
@@ -436,7 +455,9 @@ _STRING_RE = re.compile(
 )
 
 
-def _mesh_from_text(text: str, dims: str, ids: str, types: str, devices: Sequence[Any] | None) -> Mesh:
+def _mesh_from_text(
+    text: str, dims: str, ids: str, types: str, devices: Sequence[Any] | None
+) -> Mesh:
     try:
         pairs = [(n, int(s)) for n, s in (p.split("=") for p in dims.split(","))]
         id_list = [int(i) for i in ids.split(",")]
@@ -456,6 +477,10 @@ def _mesh_from_text(text: str, dims: str, ids: str, types: str, devices: Sequenc
     names = tuple(n for n, _ in pairs)
     shape = tuple(s for _, s in pairs)
     if math.prod(shape) != len(id_list):
-        raise LayoutError(f"layout string {text!r}: mesh sizes {shape} do not match {len(id_list)} device ids.")
-    axis_type = jax.sharding.AxisType.Explicit if types == "explicit" else jax.sharding.AxisType.Auto
+        raise LayoutError(
+            f"layout string {text!r}: mesh sizes {shape} do not match {len(id_list)} device ids."
+        )
+    axis_type = (
+        jax.sharding.AxisType.Explicit if types == "explicit" else jax.sharding.AxisType.Auto
+    )
     return Mesh(jax.sharding.Mesh(arr.reshape(shape), names, axis_types=(axis_type,) * len(names)))

@@ -200,9 +200,7 @@ def _axis_type(t: AxisTypes | AxisType) -> AxisType:
 def _parse_dims(mesh_dims: Sequence[tuple[str, int]] | dict[str, int]) -> list[tuple[str, int]]:
     items = list(mesh_dims.items()) if isinstance(mesh_dims, dict) else list(mesh_dims)
     if not items:
-        raise MeshError(
-            "mesh_dims is empty; give at least one named axis, e.g. [('batch', 8)]."
-        )
+        raise MeshError("mesh_dims is empty; give at least one named axis, e.g. [('batch', 8)].")
     dims: list[tuple[str, int]] = []
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
@@ -219,7 +217,9 @@ def _parse_dims(mesh_dims: Sequence[tuple[str, int]] | dict[str, int]) -> list[t
         dims.append((name, int(size)))
     names = [n for n, _ in dims]
     if len(set(names)) != len(names):
-        raise MeshError(f"mesh axis names {tuple(names)} repeat a name; give each axis its own name.")
+        raise MeshError(
+            f"mesh axis names {tuple(names)} repeat a name; give each axis its own name."
+        )
     return dims
 
 

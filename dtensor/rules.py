@@ -153,7 +153,11 @@ class LayoutMap:
         items = rules.items() if isinstance(rules, Mapping) else rules
         for pattern, specs in items:
             self[pattern] = specs
-        logical = logical_axis_rules.items() if isinstance(logical_axis_rules, Mapping) else logical_axis_rules
+        logical = (
+            logical_axis_rules.items()
+            if isinstance(logical_axis_rules, Mapping)
+            else logical_axis_rules
+        )
         self.logical_axis_rules: dict[str, DimSpec] = {}
         for name, axes in logical:
             for axis in (axes,) if isinstance(axes, str) or axes is None else axes:
@@ -168,9 +172,20 @@ class LayoutMap:
         try:
             compiled = re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"LayoutMap rule {pattern!r} is not a valid regular expression: {e}.") from None
-        self._rules = [r for r in self._rules if r[0] != pattern]
-        self._rules.append((pattern, compiled, tuple(specs)))
+            raise ValueError(
+                f"LayoutMap rule {pattern!r} is not a valid regular expression: {e}."
+            ) from None
+        if isinstance(specs, str):
+            raise TypeError(
+                f"LayoutMap rule {pattern!r} got specs {specs!r}, a string; give one spec per "
+                f"dimension, e.g. ({specs!r}, None) for a matrix split on its rows."
+            )
+        rule = (pattern, compiled, tuple(specs))
+        for i, (existing, _, _) in enumerate(self._rules):
+            if existing == pattern:  # like a dict: a rule set again keeps its place
+                self._rules[i] = rule
+                return
+        self._rules.append(rule)
 
     def __getitem__(self, path: str) -> Layout | None:
         found = self.match(path)
@@ -270,7 +285,9 @@ def resolve_layouts(
     return treedef.unflatten(out_layouts), treedef.unflatten(out_rules)
 
 
-def _resolve_flat(tree: Any, layouts: LayoutSource, mesh: Mesh | None) -> tuple[list[Any], Any, list[Any], list[Any]]:
+def _resolve_flat(
+    tree: Any, layouts: LayoutSource, mesh: Mesh | None
+) -> tuple[list[Any], Any, list[Any], list[Any]]:
     if layouts is None:
         mesh = mesh if mesh is not None else current_mesh()
         if mesh is None:
@@ -321,7 +338,9 @@ def _resolve_flat(tree: Any, layouts: LayoutSource, mesh: Mesh | None) -> tuple[
                 out_rules.append(None)
                 continue
         if not isinstance(layout, Layout):
-            raise TypeError(f"the layout for {p!r} is a {type(layout).__name__}, not a dtensor.Layout.")
+            raise TypeError(
+                f"the layout for {p!r} is a {type(layout).__name__}, not a dtensor.Layout."
+            )
         layout.check_shape(shape, p)
         out_layouts.append(layout)
         out_rules.append(rule)

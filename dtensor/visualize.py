@@ -51,7 +51,11 @@ def visualize(
     """
     if isinstance(x, Layout):
         layout = x
-        shape = tuple(shape) if shape is not None else tuple(layout.num_shards(d) for d in range(layout.rank))
+        shape = (
+            tuple(shape)
+            if shape is not None
+            else tuple(layout.num_shards(d) for d in range(layout.rank))
+        )
     else:
         layout = fetch_layout(x)
         shape = tuple(x.shape)
@@ -64,7 +68,11 @@ def visualize(
         blocks = [_block(index[d], shape[d]) for d in range(rank)]
         key = tuple(blocks[d] for d in grid_dims)
         cells.setdefault(key, []).append(device.id)
-        rest = [f"d{d}[{a}:{b}]" for d, (a, b) in enumerate(blocks) if d not in grid_dims and (a, b) != (0, shape[d])]
+        rest = [
+            f"d{d}[{a}:{b}]"
+            for d, (a, b) in enumerate(blocks)
+            if d not in grid_dims and (a, b) != (0, shape[d])
+        ]
         if rest:
             extra.setdefault(key, set()).add(" ".join(rest))
     rows = sorted({k[0] for k in cells}) if rank else [(0, 0)]

@@ -1,0 +1,50 @@
+"""strategies: every tf.distribute strategy (and more) as a thin preset over dtensor."""
+
+from dtensor import ReduceOp as ReduceOp
+
+from .base import Strategy as Strategy
+from .base import get_replica_context as get_replica_context
+from .base import get_strategy as get_strategy
+from .base import in_cross_replica_context as in_cross_replica_context
+from .central_storage import CentralStorageStrategy as CentralStorageStrategy
+from .fsdp import FullyShardedStrategy as FullyShardedStrategy
+from .layout_strategy import LayoutStrategy as LayoutStrategy
+from .mirrored import MirroredStrategy as MirroredStrategy
+from .multi_worker_mirrored import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from .one_device import OneDeviceStrategy as OneDeviceStrategy
+from .parameter_server import ParameterServerStrategy as ParameterServerStrategy
+from .partitioners import FixedShardsPartitioner as FixedShardsPartitioner
+from .partitioners import MaxSizePartitioner as MaxSizePartitioner
+from .partitioners import MinSizePartitioner as MinSizePartitioner
+from .tensor_parallel import HybridStrategy as HybridStrategy
+from .tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
+from .tpu import TPUStrategy as TPUStrategy
+from .values import InputContext as InputContext
+from .values import PerReplica as PerReplica
+from .values import ReplicaContext as ReplicaContext
+from .values import ValueContext as ValueContext
+
+__all__ = [
+    "CentralStorageStrategy",
+    "FixedShardsPartitioner",
+    "FullyShardedStrategy",
+    "HybridStrategy",
+    "InputContext",
+    "LayoutStrategy",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "ParameterServerStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "TPUStrategy",
+    "TensorParallelStrategy",
+    "ValueContext",
+    "get_replica_context",
+    "get_strategy",
+    "in_cross_replica_context",
+]

@@ -1,0 +1,262 @@
+"""`DTensorDataset`: host data to global arrays in given layouts, prefetched.
+
+Two kinds of input:
+
+- *global* elements (the default): every process iterates the same data and
+  each element is the whole global batch; only this process's blocks are
+  copied to its devices (``jax.make_array_from_callback``).
+- *process-local* elements (``process_local=True``): each process yields only
+  its own share (``global_batch_size / num_processes`` rows), stitched into
+  global arrays with ``jax.make_array_from_process_local_data``.
+
+A background thread keeps a bounded buffer of batches already on the devices.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from .api import copy_to_mesh
+from .layout import Layout, LayoutError
+from .mesh import Mesh
+
+__all__ = ["DTensorDataset", "pad_batch"]
+
+_END = object()
+
+
+def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
+    """Pad every leaf's leading dimension up to a multiple of ``multiple``.
+
+    Returns the padded batch and a float32 weight per row (1 real, 0 padding),
+    so that weighted means over the padded batch equal the unpadded means.
+
+    Examples:
+        >>> import numpy as np
+        >>> from dtensor.input import pad_batch
+        >>> b, w = pad_batch({"x": np.ones((5, 2))}, 4)
+        >>> b["x"].shape, w.tolist()
+        ((8, 2), [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    """
+    rows = _rows(batch)
+    padded = -(-rows // multiple) * multiple
+
+    def pad(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((padded - rows, *x.shape[1:]), x.dtype)]) if padded > rows else x
+
+    weights = np.zeros((padded,), np.float32)
+    weights[:rows] = 1.0
+    return jax.tree.map(pad, batch), weights
+
+
+def _rows(batch: Any) -> int:
+    sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x) > 0}
+    if len(sizes) != 1:
+        raise LayoutError(
+            f"the leaves of a batch have different leading sizes {sorted(sizes)}; every array in "
+            "a batch needs the same number of rows (dimension 0)."
+        )
+    return sizes.pop()
+
+
+class DTensorDataset:
+    """An iterable of global arrays in given layouts, built from host data.
+
+    Args:
+        dataset: an iterable of batches (pytrees of host arrays: numpy, lists,
+            ``tf.data``/Grain-style iterators' elements), or a pytree of numpy
+            arrays that is cut into consecutive batches of ``global_batch_size``
+            rows (the remainder dropped unless ``pad``).
+        mesh: the mesh.
+        layouts: a :class:`Layout` for every leaf, a pytree of layouts, or
+            ``None``: dimension 0 split over ``batch_dim``, the rest replicated.
+        global_batch_size: the rows of a global batch (checked against each
+            element; required when ``dataset`` is an array pytree).
+        batch_dim: the mesh axis (or axes) the batch is split over.
+        process_local: elements hold only this process's share of the rows.
+        prefetch: how many batches to keep ready on the devices (0: none).
+        pad: pad a batch whose rows do not divide over the shards and yield
+            ``(batch, weights)`` pairs (see :func:`pad_batch`).
+
+    Examples:
+        >>> import dtensor, numpy as np
+        >>> mesh = dtensor.create_mesh([("batch", 8)])
+        >>> data = {"x": np.arange(64.0).reshape(32, 2), "y": np.arange(32)}
+        >>> ds = dtensor.DTensorDataset(data, mesh, global_batch_size=16, batch_dim="batch")
+        >>> batches = list(ds)
+        >>> len(batches), batches[0]["x"].shape, dtensor.fetch_layout(batches[0]["y"])
+        (2, (16, 2), Layout(['batch'], mesh=Mesh(batch=8)))
+    """
+
+    def __init__(
+        self,
+        dataset: Iterable[Any] | Any,
+        mesh: Mesh,
+        layouts: Layout | Any = None,
+        global_batch_size: int | None = None,
+        *,
+        batch_dim: str | tuple[str, ...] | None = None,
+        process_local: bool = False,
+        prefetch: int = 2,
+        pad: bool = False,
+    ) -> None:
+        if batch_dim is None and layouts is None:
+            batch_dim = mesh.dim_names[0]
+        if batch_dim is not None:
+            for a in (batch_dim,) if isinstance(batch_dim, str) else batch_dim:
+                mesh._check_axis(a, "batch_dim")
+        self.mesh = mesh
+        self.layouts = layouts
+        self.global_batch_size = global_batch_size
+        self.batch_dim = batch_dim
+        self.process_local = process_local
+        self.prefetch = prefetch
+        self.pad = pad
+        self._source = dataset
+        if _is_array_tree(dataset):
+            if global_batch_size is None:
+                raise LayoutError(
+                    "DTensorDataset over arrays needs global_batch_size= to cut them into batches."
+                )
+            self._source = _ArrayBatches(dataset, global_batch_size, drop_remainder=not pad)
+        self.num_shards = mesh.axis_size(batch_dim) if batch_dim is not None else 1
+
+    # ------------------------------------------------------------------ placing
+    def _layout_tree(self, batch: Any) -> Any:
+        if isinstance(self.layouts, Layout):
+            return jax.tree.map(lambda _: self.layouts, batch)
+        if self.layouts is not None:
+            return self.layouts
+        return jax.tree.map(
+            lambda x: Layout.batch_sharded(self.mesh, self.batch_dim, np.ndim(x))
+            if np.ndim(x) > 0
+            else Layout.replicated(self.mesh, 0),
+            batch,
+        )
+
+    def place(self, batch: Any) -> Any:
+        """Turn one host batch into global arrays (``(batch, weights)`` when padding)."""
+        rows = _rows(batch)
+        procs = jax.process_count() if self.process_local else 1
+        global_rows = rows * procs
+        if self.global_batch_size is not None and global_rows != self.global_batch_size:
+            what = f"{rows} rows per process x {procs} processes" if self.process_local else f"{rows} rows"
+            raise LayoutError(
+                f"a batch has {what} but global_batch_size is {self.global_batch_size}. Make every "
+                "element hold the global batch (or, with process_local=True, its share)."
+            )
+        weights = None
+        if global_rows % self.num_shards:
+            if not self.pad:
+                raise LayoutError(
+                    f"the global batch of {global_rows} rows does not divide over the "
+                    f"{self.num_shards} shards of mesh axes {self.batch_dim!r} ({self.mesh!r}). "
+                    f"Use a global batch that is a multiple of {self.num_shards}, or pass pad=True "
+                    "to pad it and get per-row weights."
+                )
+            batch, weights = pad_batch(batch, self.num_shards // procs if self.process_local else self.num_shards)
+        layouts = self._layout_tree(batch)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        lay = jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))
+        if len(lay) != len(leaves):
+            raise LayoutError(
+                f"the layouts tree has {len(lay)} leaves but a batch has {len(leaves)}; give one "
+                "layout per array."
+            )
+        out = [self._place_leaf(x, layout, jax.tree_util.keystr(path)) for (path, x), layout in zip(leaves, lay, strict=True)]
+        placed = treedef.unflatten(out)
+        if weights is not None:
+            wl = Layout.batch_sharded(self.mesh, self.batch_dim, 1) if self.batch_dim else Layout.replicated(self.mesh, 1)
+            return placed, self._place_leaf(weights, wl, "weights")
+        return placed
+
+    def _place_leaf(self, x: Any, layout: Layout, name: str) -> jax.Array:
+        if isinstance(x, jax.Array) and not self.process_local:
+            return copy_to_mesh(x, layout, name=f"batch{name}")
+        x = np.asarray(x)
+        if not self.process_local:
+            return copy_to_mesh(x, layout, name=f"batch{name}")
+        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:]) if x.ndim else x.shape
+        layout.check_shape(global_shape, f"batch{name}")
+        return jax.make_array_from_process_local_data(layout.sharding, x, global_shape)
+
+    # ---------------------------------------------------------------- iterating
+    def __iter__(self) -> Iterator[Any]:
+        source = iter(self._source)
+        if self.prefetch <= 0:
+            return (self.place(b) for b in source)
+        return _Prefetcher(source, self.place, self.prefetch)
+
+    def __len__(self) -> int:
+        return len(self._source)  # type: ignore[arg-type]
+
+
+def _is_array_tree(x: Any) -> bool:
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(v, np.ndarray) for v in leaves) and not isinstance(x, list)
+
+
+class _ArrayBatches:
+    def __init__(self, arrays: Any, batch_size: int, *, drop_remainder: bool) -> None:
+        self.arrays = arrays
+        self.batch_size = batch_size
+        rows = _rows(arrays)
+        self.n = rows // batch_size if drop_remainder else -(-rows // batch_size)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self.n):
+            sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+            yield jax.tree.map(lambda a: a[sl], self.arrays)
+
+
+class _Prefetcher:
+    """Runs ``place`` on a background thread, keeping at most ``size`` results."""
+
+    def __init__(self, source: Iterator[Any], place: Any, size: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(source, place), daemon=True)
+        self._thread.start()
+
+    def _work(self, source: Iterator[Any], place: Any) -> None:
+        try:
+            for item in source:
+                placed = place(item)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(placed, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(_END)
+        except BaseException as e:  # surfaced in the consumer
+            self._queue.put(e)
+
+    def __iter__(self) -> _Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()

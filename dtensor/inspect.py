@@ -1,0 +1,582 @@
+"""`explain`: what a compiled step communicates and stores, against the minimum.
+
+``explain(fn, *args)`` compiles ``fn`` (never runs it) and returns a
+:class:`Report`: every collective XLA emitted (see :mod:`dtensor.hlo`), the
+per-device memory from ``memory_analysis()``, a table of the step's variables
+(parameters and optimizer state) with their layouts, the theoretical minimum
+communication for those layouts, and warnings about layouts that went wrong.
+
+The minimum (``min_comm_bytes_per_device``), per variable leaf that receives
+a gradient, under the ring model. Let ``S`` be the leaf's global bytes,
+``D`` the data axes (the axes the batch is split over), ``k`` the product of
+the sizes of the data axes the leaf is sharded on (FSDP), ``r`` that of the
+data axes it is replicated on, and ``t`` that of the non-data axes it is
+sharded on (tensor parallel), ``S' = S / t``:
+
+- replicated over the data axes (data parallel, ``k = 1``): one all-reduce of
+  its gradient, ``2(r-1)/r * S'``;
+- sharded over the data axes (FSDP, ``k > 1``): two all-gathers of the
+  parameter (forward and backward) and one reduce-scatter of its gradient,
+  ``3(k-1)/k * S'``, plus, when also replicated over other data axes
+  (hybrid), an all-reduce of the scattered gradient ``2(r-1)/r * S'/k``.
+
+Leaves that do not receive a gradient cost nothing: by default those whose
+path has an ``opt_state`` component (optax and ``nnx.Optimizer`` state) and
+those of non-float dtype (step counters, RNG keys); ``grad_paths`` overrides
+this. Activations that a tensor-parallel plan must move (Megatron's per-layer
+all-reduces) depend on the model, so the caller adds them as
+``activation_bytes_min``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .hlo import Collective, parse_collectives
+from .layout import Layout
+from .mesh import Mesh
+from .rules import path_str
+
+__all__ = ["explain", "Report", "VariableInfo", "Finding", "Collective"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VariableInfo:
+    """One variable leaf: where it lives and what it costs per device."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    rule: str | None
+    bytes_per_device: int
+    global_bytes: int
+    trainable: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys."""
+        return dict(sorted({**dataclasses.asdict(self), "shape": list(self.shape)}.items()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finding:
+    """A warning: ``kind`` is ``replicated``, ``unmatched`` or ``silent-replication``."""
+
+    kind: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys."""
+        return {"kind": self.kind, "message": self.message, "path": self.path}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`explain` found; ``str(report)`` renders tables, ``to_dict()`` JSON.
+
+    Byte figures are per device. ``comm_bytes_per_device`` sums
+    ``bytes_per_device * count`` over ``collectives``; the memory figures are
+    XLA's (``None`` when the backend gives no ``memory_analysis``), and
+    ``argument_bytes_per_device`` includes the batch.
+    ``state_bytes_per_device`` is what the variables occupy in their layouts;
+    ``ideal_state_bytes_per_device`` what they would occupy split evenly over
+    all devices of the mesh.
+    """
+
+    collectives: tuple[Collective, ...]
+    comm_bytes_per_device: float
+    min_comm_bytes_per_device: float
+    argument_bytes_per_device: int | None
+    output_bytes_per_device: int | None
+    temp_bytes_per_device: int | None
+    alias_bytes_per_device: int | None
+    state_bytes_per_device: int
+    ideal_state_bytes_per_device: int
+    variables: tuple[VariableInfo, ...]
+    warnings: tuple[Finding, ...]
+    mesh: str
+    data_axes: tuple[str, ...]
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def comm_ratio(self) -> float:
+        """``comm / min`` (1.0 when both are 0, ``inf`` when only the minimum is)."""
+        if self.min_comm_bytes_per_device == 0:
+            return 1.0 if self.comm_bytes_per_device == 0 else math.inf
+        return self.comm_bytes_per_device / self.min_comm_bytes_per_device
+
+    def by_kind(self) -> dict[str, float]:
+        """Bytes per device for each collective kind present."""
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes_per_device
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, deterministic (sorted keys; ``comm_ratio`` ``None`` if infinite)."""
+        ratio = self.comm_ratio
+        d = {
+            "alias_bytes_per_device": self.alias_bytes_per_device,
+            "argument_bytes_per_device": self.argument_bytes_per_device,
+            "collectives": [c.to_dict() for c in self.collectives],
+            "comm_bytes_per_device": self.comm_bytes_per_device,
+            "comm_ratio": None if math.isinf(ratio) else ratio,
+            "data_axes": list(self.data_axes),
+            "ideal_state_bytes_per_device": self.ideal_state_bytes_per_device,
+            "mesh": self.mesh,
+            "min_comm_bytes_per_device": self.min_comm_bytes_per_device,
+            "output_bytes_per_device": self.output_bytes_per_device,
+            "state_bytes_per_device": self.state_bytes_per_device,
+            "temp_bytes_per_device": self.temp_bytes_per_device,
+            "variables": [v.to_dict() for v in self.variables],
+            "warnings": [w.to_dict() for w in self.warnings],
+        }
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict(), sort_keys=True, ...)``."""
+        return json.dumps(self.to_dict(), sort_keys=True, **kwargs)
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+# --------------------------------------------------------------------- helpers
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
+    s = getattr(leaf, "sharding", None)
+    return s if isinstance(s, jax.sharding.Sharding) else None
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _layout(sharding: jax.sharding.Sharding, rank: int) -> Layout | None:
+    try:
+        return Layout.from_sharding(sharding, rank)
+    except (TypeError, ValueError):
+        return None
+
+
+def layout_text(layout: Layout | None, sharding: Any = None) -> str:
+    """A layout's specs as ``[x, unsharded]`` (tuples of axes as ``(a,b)``)."""
+    if layout is None:
+        return str(sharding)
+    parts = [s if isinstance(s, str) else "(" + ",".join(s) + ")" for s in layout.sharding_specs]
+    text = "[" + ", ".join(parts) + "]"
+    return text + (f" partial{list(layout.partial_axes)}" if layout.partial_axes else "")
+
+
+def _program_mesh(compiled: Any) -> Mesh | None:
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    for s in shardings:
+        if isinstance(s, jax.sharding.NamedSharding) and isinstance(s.mesh, jax.sharding.Mesh):
+            return Mesh(s.mesh)
+    return None
+
+
+def _default_trainable(path: str, dtype: Any) -> bool:
+    floating = jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+    return "opt_state" not in path.split("/") and bool(floating)
+
+
+def _rule_list(rules: Any, paths: list[str]) -> list[str | None] | None:
+    if rules is None:
+        return None
+    if (
+        isinstance(rules, Mapping)
+        and rules
+        and all(isinstance(k, str) and k in paths for k in rules)
+    ):
+        return [rules.get(p) for p in paths]
+    leaves = jax.tree.leaves(rules, is_leaf=lambda x: x is None)
+    if len(leaves) != len(paths):
+        raise ValueError(
+            f"rules= has {len(leaves)} leaves but variables has {len(paths)} array leaves "
+            f"({paths[:3]}...); rules must be a pytree shaped like variables (one rule string or "
+            "None per leaf, as dtensor.resolve_layouts returns) or a dict from leaf path to rule."
+        )
+    return [None if r is None else str(r) for r in leaves]
+
+
+def _axes(layout: Layout | None) -> set[str]:
+    if layout is None:
+        return set()
+    return {a for d in range(layout.rank) for a in layout.axes(d)}
+
+
+def min_comm_bytes(global_bytes: int, layout: Layout | None, data_axes: Sequence[str]) -> float:
+    """The ring-model minimum for one gradient-carrying leaf (see the module docs).
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.inspect import min_comm_bytes
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> min_comm_bytes(800, dtensor.Layout([None], mesh), ["x"])   # all-reduce
+        1400.0
+        >>> min_comm_bytes(800, dtensor.Layout(["x"], mesh), ["x"])    # 2 gathers + scatter
+        2100.0
+    """
+    if layout is None:
+        return 0.0
+    sizes = layout.mesh.shape
+    used = _axes(layout)
+    data = [a for a in data_axes if a in sizes]
+    k = math.prod(sizes[a] for a in data if a in used)
+    r = math.prod(sizes[a] for a in data if a not in used)
+    s = global_bytes / math.prod(sizes[a] for a in used if a not in data)
+    out = 3.0 * (k - 1) / k * s if k > 1 else 0.0
+    if r > 1:
+        out += 2.0 * (r - 1) / r * s / k
+    return out
+
+
+def _fmt_path(prefix: str, path: Any) -> str:
+    p = path_str(path)
+    return f"{prefix}/{p}" if p else prefix
+
+
+def _mismatch(asked: Any, got: Any, rank: int) -> bool:
+    try:
+        return not asked.is_equivalent_to(got, rank)
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+# --------------------------------------------------------------------- explain
+def explain(
+    fn: Callable[..., Any],
+    *args: Any,
+    variables: Any = None,
+    data_axes: str | Sequence[str] | None = None,
+    rules: Any = None,
+    grad_paths: Callable[[str], bool] | None = None,
+    activation_bytes_min: float = 0.0,
+    expect_sharded: bool = False,
+    replicated_warn_bytes: int = 1 << 20,
+    **kwargs: Any,
+) -> Report:
+    """Compile ``fn(*args, **kwargs)`` (never run it) and report its cost.
+
+    Args:
+        fn: a function, or a ``jax.jit``-wrapped one (its ``in_shardings`` /
+            ``out_shardings`` are kept).
+        *args: concrete arrays or ``jax.ShapeDtypeStruct``s (with
+            ``sharding=``), as ``fn`` takes them.
+        variables: the step's state (parameters and optimizer state), arrays
+            or ``ShapeDtypeStruct``s; default ``args[0]``. Leaves without a
+            sharding take the compiled one when ``variables`` is one of
+            ``args``.
+        data_axes: the mesh axes the batch is split over; default: the axes
+            splitting dimension 0 of the arguments other than ``variables``.
+        rules: the rule behind each variable's layout: a pytree like
+            ``variables`` (a string, or ``None`` for "no rule matched"), or a
+            dict from leaf path to rule.
+        grad_paths: ``path -> bool``, whether a variable receives a gradient
+            (default: not under ``opt_state`` and of float dtype).
+        activation_bytes_min: bytes per device of activations the layouts
+            must move (tensor parallel), added to the minimum.
+        expect_sharded: warn about every large replicated variable (else
+            only when the mesh has more than one device off the data axes).
+        replicated_warn_bytes: the size above which a replicated variable is
+            "large".
+        **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+        A :class:`Report`.
+
+    Examples:
+        >>> import dtensor, jax, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=dtensor.Layout.replicated(mesh, 2).sharding)
+        >>> x = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=dtensor.Layout(["x", None], mesh).sharding)
+        >>> grad = jax.grad(lambda w, x: ((x @ w) ** 2).sum())
+        >>> report = dtensor.explain(grad, w, x)
+        >>> [(c.kind, c.mesh_axes, c.bytes_per_device) for c in report.collectives]
+        [('all-reduce', ('x',), 28672.0)]
+        >>> report.min_comm_bytes_per_device, report.data_axes
+        (28672.0, ('x',))
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"explain's first argument must be the function to compile, got a "
+            f"{type(fn).__name__}; call dtensor.explain(step, *args)."
+        )
+    if variables is None:
+        if not args:
+            raise TypeError(
+                "explain got no arguments and no variables=; pass the step's arguments "
+                "(dtensor.explain(step, state, batch)) or variables= explicitly."
+            )
+        variables = args[0]
+    var_arg = next((i for i, a in enumerate(args) if a is variables), None)
+    lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower  # type: ignore[attr-defined]
+    compiled = lower(*args, **kwargs).compile()
+    mesh = _program_mesh(compiled)
+    mesh_shape = list(mesh.shape.items()) if mesh is not None else None
+    collectives = tuple(parse_collectives(compiled.as_text(), mesh_shape))
+    in_shardings = compiled.input_shardings[0]
+    findings, batch_axes = _check_args(args, in_shardings, var_arg)
+    data = _data_axes(data_axes, batch_axes, mesh)
+
+    all_leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
+    compiled_var = jax.tree.leaves(in_shardings[var_arg]) if var_arg is not None else []
+    compiled_of = {}
+    if len(compiled_var) == len(all_leaves):
+        compiled_of = {id(x): s for (_, x), s in zip(all_leaves, compiled_var, strict=True)}
+    infos, var_findings = _variables(
+        all_leaves,
+        compiled_of,
+        rules,
+        grad_paths,
+        data,
+        mesh,
+        expect_sharded,
+        replicated_warn_bytes,
+    )
+    findings += var_findings
+    findings += _check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
+    mem = compiled.memory_analysis()
+    n_devices = mesh.size if mesh is not None else 1
+    return Report(
+        collectives=collectives,
+        comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
+        min_comm_bytes_per_device=float(activation_bytes_min) + sum(m for _, m in infos),
+        argument_bytes_per_device=_mem(mem, "argument_size_in_bytes"),
+        output_bytes_per_device=_mem(mem, "output_size_in_bytes"),
+        temp_bytes_per_device=_mem(mem, "temp_size_in_bytes"),
+        alias_bytes_per_device=_mem(mem, "alias_size_in_bytes"),
+        state_bytes_per_device=sum(v.bytes_per_device for v, _ in infos),
+        ideal_state_bytes_per_device=sum(math.ceil(v.global_bytes / n_devices) for v, _ in infos),
+        variables=tuple(v for v, _ in infos),
+        warnings=tuple(findings),
+        mesh=repr(mesh) if mesh is not None else "",
+        data_axes=data,
+        compiled=compiled,
+    )
+
+
+def _check_args(
+    args: tuple[Any, ...], in_shardings: Any, var_arg: int | None
+) -> tuple[list[Finding], list[str]]:
+    """Silent relayouts of the arguments, and the axes splitting dimension 0 of the non-state ones."""
+    findings: list[Finding] = []
+    batch_axes: list[str] = []
+    for i, arg in enumerate(args):
+        leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        got = jax.tree.leaves(in_shardings[i]) if i < len(in_shardings) else []
+        if len(got) != len(leaves):
+            continue
+        for (path, leaf), s in zip(leaves, got, strict=True):
+            asked = _sharding_of(leaf)
+            rank = len(getattr(leaf, "shape", ()))
+            if asked is not None and _mismatch(asked, s, rank):
+                p = _fmt_path(f"args[{i}]", path)
+                findings.append(_silent(p, asked, s, rank, "the compiled program takes it as"))
+            lay = _layout(s, rank) if i != var_arg and rank else None
+            if lay is not None:
+                batch_axes += [a for a in lay.axes(0) if a not in batch_axes]
+    return findings, batch_axes
+
+
+def _data_axes(data_axes: Any, batch_axes: list[str], mesh: Mesh | None) -> tuple[str, ...]:
+    if data_axes is None:
+        order = mesh.dim_names if mesh is not None else tuple(batch_axes)
+        return tuple(a for a in order if a in batch_axes)
+    data = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if mesh is not None:
+        bad = [a for a in data if a not in mesh.dim_names]
+        if bad:
+            raise ValueError(
+                f"data_axes={data_axes!r} names {bad}, not axes of the program's mesh "
+                f"{mesh!r} (axes {mesh.dim_names}); pass the mesh axes the batch is split over."
+            )
+    return data
+
+
+def _variables(
+    all_leaves: list[tuple[Any, Any]],
+    compiled_of: dict[int, Any],
+    rules: Any,
+    grad_paths: Callable[[str], bool] | None,
+    data: tuple[str, ...],
+    mesh: Mesh | None,
+    expect_sharded: bool,
+    warn_bytes: int,
+) -> tuple[list[tuple[VariableInfo, float]], list[Finding]]:
+    """The table rows (each with its minimum communication) and their warnings."""
+    leaves = [(path_str(p) or "variables", x) for p, x in all_leaves if _is_array(x)]
+    rule_of = _rule_list(rules, [p for p, _ in leaves])
+    rows: list[tuple[VariableInfo, float]] = []
+    findings: list[Finding] = []
+    for k, (p, leaf) in enumerate(leaves):
+        shape = tuple(int(d) for d in leaf.shape)
+        dtype = np.dtype(leaf.dtype)
+        sharding = _sharding_of(leaf) or compiled_of.get(id(leaf))
+        if sharding is None:
+            raise TypeError(
+                f"variable {p!r} (shape {shape}) has no sharding and is not one of explain's "
+                "arguments, so its layout is unknown; give it one (jax.ShapeDtypeStruct(..., "
+                "sharding=layout.sharding)) or pass the state as one of the arguments."
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        local = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
+        lay = _layout(sharding, len(shape))
+        text = layout_text(lay, sharding)
+        trainable = bool(grad_paths(p)) if grad_paths else _default_trainable(p, dtype)
+        rule = rule_of[k] if rule_of is not None else None
+        info = VariableInfo(p, shape, str(dtype), text, rule, local, nbytes, trainable)
+        rows.append((info, min_comm_bytes(nbytes, lay, data) if trainable else 0.0))
+        if rule_of is not None and rule is None:
+            msg = (
+                f"{p} {list(shape)} matched no layout rule, so it is laid out {text}; add a "
+                "rule for it (a LayoutMap regex on its path) or ignore this if that is intended."
+            )
+            findings.append(Finding("unmatched", p, msg))
+        if (
+            lay is None
+            or not lay.is_fully_replicated()
+            or lay.mesh.size == 1
+            or nbytes <= warn_bytes
+        ):
+            continue
+        off_data = math.prod(n for a, n in lay.mesh.shape.items() if a not in data)
+        if expect_sharded or off_data > 1:
+            msg = (
+                f"{p} {list(shape)} {dtype} ({_human(nbytes)}) is replicated on all "
+                f"{lay.mesh.size} devices of {lay.mesh!r} though a sharded layout was expected; "
+                "shard one of its dimensions (one divisible by the axis size, or pad it) or add "
+                "a rule for it."
+            )
+            findings.append(Finding("replicated", p, msg))
+    return rows, findings
+
+
+def _check_outputs(
+    out: Any, variables: Any, all_leaves: list[tuple[Any, Any]], compiled_of: dict[int, Any]
+) -> list[Finding]:
+    """Outputs shaped like the variables whose layout is not the one the variables have."""
+    struct = jax.tree.structure(variables)
+    candidates = [("output", out)] if jax.tree.structure(out) == struct else []
+    if not candidates and isinstance(out, tuple | list):
+        candidates = [
+            (f"output[{i}]", o) for i, o in enumerate(out) if jax.tree.structure(o) == struct
+        ]
+    findings = []
+    for prefix, sub in candidates:
+        for (path, leaf), s in zip(all_leaves, jax.tree.leaves(sub), strict=True):
+            asked = _sharding_of(leaf) or compiled_of.get(id(leaf))
+            rank = len(getattr(leaf, "shape", ()))
+            if asked is not None and _is_array(leaf) and _mismatch(asked, s, rank):
+                findings.append(
+                    _silent(_fmt_path(prefix, path), asked, s, rank, "the step returns it as")
+                )
+    return findings
+
+
+def _silent(path: str, asked: Any, got: Any, rank: int, verb: str) -> Finding:
+    a, g = layout_text(_layout(asked, rank), asked), layout_text(_layout(got, rank), got)
+    return Finding(
+        "silent-replication",
+        path,
+        f"{path} was asked to be {a} but {verb} {g}: the layout was silently changed. Pin it "
+        "(in_shardings/out_shardings, or dtensor.relayout inside the step) or fix its layout rule.",
+    )
+
+
+def _mem(mem: Any, field: str) -> int | None:
+    value = getattr(mem, field, None) if mem is not None else None
+    return None if value is None else int(value)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _render(report: Report) -> str:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False)
+    ratio = report.comm_ratio
+    summary = Table(title=f"dtensor.explain on {report.mesh or 'one device'}", show_header=False)
+    summary.add_column("figure")
+    summary.add_column("per device", justify="right")
+    mem = [
+        ("arguments (incl. batch)", report.argument_bytes_per_device),
+        ("outputs", report.output_bytes_per_device),
+        ("temporaries", report.temp_bytes_per_device),
+        ("aliased", report.alias_bytes_per_device),
+    ]
+    rows = [
+        ("communication", _human(report.comm_bytes_per_device)),
+        ("minimum for these layouts", _human(report.min_comm_bytes_per_device)),
+        ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
+        ("state (variables)", _human(report.state_bytes_per_device)),
+        ("state, ideally sharded", _human(report.ideal_state_bytes_per_device)),
+        *((k, "-" if v is None else _human(v)) for k, v in mem),
+        ("data axes", ", ".join(report.data_axes) or "-"),
+    ]
+    for k, v in rows:
+        summary.add_row(k, v)
+    console.print(summary)
+
+    coll = Table(title="Collectives")
+    for name in ("kind", "mesh axes", "dtype", "shape", "group", "runs", "ops", "bytes/device"):
+        coll.add_column(
+            name, justify="right" if name in ("group", "runs", "ops", "bytes/device") else "left"
+        )
+    merged: dict[tuple[Any, ...], list[float]] = {}
+    for c in report.collectives:
+        key = (c.kind, c.mesh_axes, c.dtype, c.shape, c.group_size, c.count)
+        merged.setdefault(key, []).append(c.total_bytes_per_device)
+    for (kind, axes, dtype, shape, n, count), b in merged.items():
+        cells = (
+            kind,
+            ",".join(axes) or "-",
+            dtype,
+            str(list(shape)),
+            str(n),
+            str(count),
+            str(len(b)),
+            _human(sum(b)),
+        )
+        coll.add_row(*map(escape, cells))
+    console.print(coll)
+
+    var = Table(title="Variables")
+    for name in ("path", "shape", "dtype", "layout", "rule", "bytes/device"):
+        var.add_column(name, justify="right" if name == "bytes/device" else "left")
+    for v in report.variables:
+        cells = (
+            v.path,
+            str(list(v.shape)),
+            v.dtype,
+            v.layout,
+            v.rule or "-",
+            _human(v.bytes_per_device),
+        )
+        var.add_row(*map(escape, cells))
+    console.print(var)
+    if report.warnings:
+        console.print("Warnings:")
+        for w in report.warnings:
+            console.print(f"  [{w.kind}] {w.message}", markup=False, highlight=False)
+    return console.file.getvalue()  # type: ignore[attr-defined]

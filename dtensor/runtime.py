@@ -1,0 +1,722 @@
+"""The multi-process runtime: ``initialize``, ``client_id``, ``num_clients``, ``barrier``.
+
+A thin, loud layer over ``jax.distributed`` (JAX's coordination service, and
+XLA's collectives: gloo on CPU, NCCL on GPU, ICI/DCN on TPU). What it adds:
+
+- **Finding the cluster.** :func:`initialize` with no arguments reads, in
+  order, the variables :mod:`dtensor.launch` sets (``DTENSOR_COORDINATOR``,
+  ``DTENSOR_NUM_PROCESSES``, ``DTENSOR_PROCESS_ID``,
+  ``DTENSOR_DEVICES_PER_PROCESS``), JAX's own cluster detection (Cloud TPU
+  VMs, SLURM, Open MPI, Kubernetes), then a TensorFlow ``TF_CONFIG`` JSON.
+  Nothing found means one process, and every function here still works.
+- **Failing fast and by name.** A coordinator that cannot be reached is an
+  error naming its address within ``timeout_s``. A peer that dies mid-run
+  (or stops heartbeating) makes every other process print which process was
+  lost and exit with status :data:`EXIT_PEER_LOST` within
+  ``heartbeat_timeout_s`` (plus a few seconds); an uncaught exception in one
+  process ends that process at once (no shutdown barrier to hang on), so the
+  others follow within the same bound.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+__all__ = [
+    "ClusterConfigError",
+    "ClusterSpec",
+    "DistributedRuntimeError",
+    "ENV_COORDINATOR",
+    "ENV_DEVICES_PER_PROCESS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "EXIT_PEER_LOST",
+    "barrier",
+    "client_id",
+    "initialize",
+    "is_initialized",
+    "num_clients",
+    "parse_tf_config",
+    "resolve_cluster",
+    "shutdown",
+]
+
+ENV_COORDINATOR = "DTENSOR_COORDINATOR"
+ENV_NUM_PROCESSES = "DTENSOR_NUM_PROCESSES"
+ENV_PROCESS_ID = "DTENSOR_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "DTENSOR_DEVICES_PER_PROCESS"
+
+EXIT_PEER_LOST = 75
+"""Exit status of a process stopped because another process of the job was lost."""
+
+_LAUNCHER_SOURCE = "dtensor.launch"
+
+
+class ClusterConfigError(ValueError):
+    """A cluster description (arguments, launcher variables, ``TF_CONFIG``) that is not valid."""
+
+
+class DistributedRuntimeError(RuntimeError):
+    """The multi-process runtime could not start, or lost a process."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """Where this process sits in a multi-process job.
+
+    Attributes:
+        coordinator_address: ``host:port`` of process 0's coordination service
+            (``None`` when JAX's own cluster detection will find it).
+        num_processes: the number of processes (``None``: JAX detects it).
+        process_id: this process's index (``None``: JAX detects it).
+        source: where the description came from (``"arguments"``,
+            ``"dtensor.launch"``, ``"TF_CONFIG"``, ``"jax:SlurmCluster"``...).
+        local_device_count: CPU devices this process should simulate, if asked.
+
+    Examples:
+        >>> from dtensor.runtime import parse_tf_config
+        >>> parse_tf_config('{"cluster": {"worker": ["a:1", "b:2"]}, '
+        ...                 '"task": {"type": "worker", "index": 1}}')
+        ClusterSpec(coordinator_address='a:1', num_processes=2, process_id=1, source='TF_CONFIG', local_device_count=None)
+    """
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    source: str
+    local_device_count: int | None = None
+
+
+# ---------------------------------------------------------------- resolution
+def _tf_error(what: str, got: Any) -> ClusterConfigError:
+    return ClusterConfigError(
+        f"TF_CONFIG {what}; got {got!r}. A valid TF_CONFIG looks like "
+        '{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", '
+        '"index": 0}} (an optional "chief" list of one address counts as process 0). '
+        "Fix the variable, or unset it and pass coordinator_address/num_processes/process_id."
+    )
+
+
+def parse_tf_config(tf_config: str | Mapping[str, Any]) -> ClusterSpec:
+    """Read a TensorFlow ``TF_CONFIG`` cluster description.
+
+    The processes are the ``chief`` (if present, process 0) followed by the
+    ``worker`` list in order; the coordinator is process 0's address. Other
+    task types (``ps``, ``evaluator``) are not part of a dtensor job.
+
+    Args:
+        tf_config: the JSON text, or the already-parsed mapping.
+
+    Returns:
+        The cluster, with ``source="TF_CONFIG"``.
+
+    Raises:
+        ClusterConfigError: the JSON is malformed, lacks ``cluster`` or
+            ``task``, has an index out of range, or names a task type that is
+            not a worker.
+
+    Examples:
+        >>> from dtensor.runtime import parse_tf_config
+        >>> spec = parse_tf_config({"cluster": {"chief": ["c:7"], "worker": ["w0:7", "w1:7"]},
+        ...                         "task": {"type": "worker", "index": 0}})
+        >>> spec.coordinator_address, spec.num_processes, spec.process_id
+        ('c:7', 3, 1)
+    """
+    if isinstance(tf_config, str):
+        try:
+            config = json.loads(tf_config)
+        except json.JSONDecodeError as e:
+            raise _tf_error(f"is not valid JSON ({e.msg} at character {e.pos})", tf_config) from None
+    else:
+        config = tf_config
+    if not isinstance(config, Mapping):
+        raise _tf_error("is not a JSON object", config)
+    if "cluster" not in config:
+        raise _tf_error("has no 'cluster' entry", dict(config))
+    cluster = config["cluster"]
+    if not isinstance(cluster, Mapping):
+        raise _tf_error("'cluster' is not an object of task type -> address list", cluster)
+    chief = cluster.get("chief", [])
+    workers = cluster.get("worker", [])
+    for name, addresses in (("chief", chief), ("worker", workers)):
+        if not isinstance(addresses, list | tuple) or not all(
+            isinstance(a, str) and ":" in a for a in addresses
+        ):
+            raise _tf_error(f"'cluster.{name}' is not a list of 'host:port' strings", addresses)
+    if len(chief) > 1:
+        raise _tf_error("'cluster.chief' lists more than one address", chief)
+    processes = list(chief) + list(workers)
+    if not processes:
+        raise _tf_error("'cluster' has neither a 'worker' nor a 'chief' list", dict(cluster))
+    task = config.get("task")
+    if not isinstance(task, Mapping):
+        raise _tf_error("has no 'task' object saying which process this is", task)
+    task_type, index = task.get("type"), task.get("index", 0)
+    if task_type not in ("worker", "chief"):
+        raise _tf_error(
+            f"task type {task_type!r} is not a worker: dtensor runs 'worker' (and 'chief') "
+            "tasks only",
+            dict(task),
+        )
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _tf_error("'task.index' is not an integer", index)
+    members = chief if task_type == "chief" else workers
+    if not 0 <= index < len(members):
+        raise _tf_error(
+            f"task index {index} is out of range for the {len(members)} "
+            f"'{task_type}' address(es) in 'cluster'",
+            dict(task),
+        )
+    process_id = index if task_type == "chief" else len(chief) + index
+    return ClusterSpec(processes[0], len(processes), process_id, "TF_CONFIG")
+
+
+def _int_env(environ: Mapping[str, str], name: str) -> int:
+    value = environ.get(name)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ClusterConfigError(
+            f"environment variable {name}={value!r} is not an integer, but {ENV_COORDINATOR} is "
+            f"set, so dtensor expects the full set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, "
+            f"{ENV_PROCESS_ID} (as python -m dtensor.launch sets them). Set it to an integer, "
+            f"or unset {ENV_COORDINATOR}."
+        ) from None
+
+
+def _jax_cluster() -> str | None:
+    """The name of the cluster environment JAX's own detection would use, if any."""
+    from jax._src import clusters  # noqa: F401  (registers the environments)
+    from jax._src.clusters import ClusterEnv
+
+    for env in ClusterEnv._cluster_types:
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception:  # a detector that cannot run here is not our cluster
+            continue
+    return None
+
+
+def resolve_cluster(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterSpec | None:
+    """Find this process's cluster, or ``None`` for a single process.
+
+    Order: explicit arguments (all three), the :mod:`dtensor.launch`
+    variables, JAX's cluster detection (then only the environment's name is
+    recorded; JAX reads the rest), then ``TF_CONFIG``.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0.
+        num_processes: the number of processes.
+        process_id: this process's index.
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        The cluster, or ``None`` when nothing describes one.
+
+    Raises:
+        ClusterConfigError: a partial or inconsistent description.
+
+    Examples:
+        >>> from dtensor.runtime import resolve_cluster
+        >>> resolve_cluster(environ={}) is None
+        True
+        >>> resolve_cluster(environ={"DTENSOR_COORDINATOR": "127.0.0.1:1234",
+        ...     "DTENSOR_NUM_PROCESSES": "2", "DTENSOR_PROCESS_ID": "1"}).process_id
+        1
+    """
+    env = os.environ if environ is None else environ
+    given = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ClusterConfigError(
+                f"initialize() got only some of coordinator_address, num_processes, process_id "
+                f"({', '.join(missing)} missing); got {given}. Pass all three, or none to "
+                "read them from the environment (dtensor.launch, SLURM, TPU VMs, TF_CONFIG)."
+            )
+        spec = ClusterSpec(coordinator_address, num_processes, process_id, "arguments")
+    elif env.get(ENV_COORDINATOR):
+        spec = ClusterSpec(
+            env[ENV_COORDINATOR],
+            _int_env(env, ENV_NUM_PROCESSES),
+            _int_env(env, ENV_PROCESS_ID),
+            _LAUNCHER_SOURCE,
+        )
+    elif environ is None and (name := _jax_cluster()) is not None:
+        return ClusterSpec(None, None, None, f"jax:{name}")
+    elif env.get("TF_CONFIG"):
+        spec = parse_tf_config(env["TF_CONFIG"])
+    else:
+        return None
+    _check_spec(spec)
+    return spec
+
+
+def _check_spec(spec: ClusterSpec) -> None:
+    n, i, addr = spec.num_processes, spec.process_id, spec.coordinator_address
+    if not isinstance(n, int) or n < 1:
+        raise ClusterConfigError(
+            f"num_processes (from {spec.source}) is {n!r}; it must be an integer >= 1."
+        )
+    if not isinstance(i, int) or not 0 <= i < n:
+        raise ClusterConfigError(
+            f"process_id (from {spec.source}) is {i!r}, but with num_processes={n} the valid "
+            f"ids are 0..{n - 1}. Give each process its own id in that range."
+        )
+    if not isinstance(addr, str) or not re.fullmatch(r".+:\d+", addr):
+        raise ClusterConfigError(
+            f"coordinator_address (from {spec.source}) is {addr!r}; it must be 'host:port', "
+            "e.g. '10.0.0.1:1234' (process 0's host and a free port)."
+        )
+
+
+# ------------------------------------------------------------------ runtime
+@dataclasses.dataclass
+class _State:
+    spec: ClusterSpec | None = None
+    initialized: bool = False
+    watchdog: _Watchdog | None = None
+    barrier_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    previous_excepthook: Any = None
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _die(message: str, code: int = EXIT_PEER_LOST) -> None:
+    """Print ``message`` and end this process now (no atexit, no shutdown barrier)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+_ALIVE = "dtensor/alive/"
+_DONE = "done"
+
+
+class _Watchdog:
+    """Each process's liveness, through the coordination service's key-value store.
+
+    Every ``period`` seconds each process bumps its counter under
+    ``dtensor/alive/<id>`` and reads the others'. A counter that has not moved
+    for ``timeout`` seconds names a lost process; a store that cannot be
+    reached means the coordinator (process 0) is gone. Either way this
+    process prints who was lost and exits with :data:`EXIT_PEER_LOST`, well
+    before JAX's own heartbeat (set longer) would abort it with a C++ trace.
+    A process that finishes normally writes ``done`` first.
+    """
+
+    def __init__(self, client: Any, me: int, n: int, address: str, timeout: float) -> None:
+        self.client, self.me, self.n, self.address = client, me, n, address
+        self.timeout = float(timeout)
+        self.period = max(0.2, min(1.0, self.timeout / 5))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dtensor-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        """Stop watching and tell the others this process ended on purpose."""
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        self.thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        seen: dict[int, tuple[str | None, float]] = {i: (None, start) for i in range(self.n)}
+        beat = 0
+        while not self.stop.is_set():
+            beat += 1
+            try:
+                self.client.key_value_set(f"{_ALIVE}{self.me}", str(beat), allow_overwrite=True)
+                entries = self.client.key_value_dir_get(_ALIVE)
+            except Exception as e:
+                if self.stop.is_set():
+                    return
+                _die(self._lost_message([0] if self.me != 0 else [], str(e)))
+                return
+            now = time.monotonic()
+            for key, value in entries:
+                with contextlib.suppress(ValueError):
+                    i = int(key.rstrip("/").rsplit("/", 1)[-1])
+                    if seen.get(i, (None, 0.0))[0] != value:
+                        seen[i] = (value, now)
+            lost = [
+                i
+                for i, (value, when) in seen.items()
+                if i != self.me and value != _DONE and now - when > self.timeout
+            ]
+            if lost and not self.stop.is_set():
+                _die(self._lost_message(lost, f"no sign of life for {self.timeout:g} s"))
+                return
+            self.stop.wait(self.period)
+
+    def _lost_message(self, lost: list[int], detail: str) -> str:
+        if lost == [0] and self.me != 0:
+            who = f"process 0 (the coordinator at {self.address})"
+        elif lost:
+            who = "process " + ", ".join(map(str, lost))
+        else:
+            who = "the coordination service"
+        return (
+            f"dtensor.runtime: process {self.me} of {self.n} lost {who}: it exited, was killed, "
+            f"or stopped responding ({detail.strip()}). Stopping process {self.me} with exit "
+            f"status {EXIT_PEER_LOST} so the job fails instead of hanging; look for the first "
+            "error in the lost process's own output."
+        )
+
+def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+    """Uncaught exception in a multi-process job: report it and leave at once.
+
+    Waiting in JAX's shutdown barrier would hang this process while the
+    others wait in a collective for it; exiting lets them see it is gone.
+    """
+    hook = _state.previous_excepthook or sys.__excepthook__
+    try:
+        hook(exc_type, exc, tb)
+        sys.stderr.write(
+            f"dtensor.runtime: process {client_id()} of {num_clients()} stopped by an uncaught "
+            f"{exc_type.__name__}; the other processes will stop too.\n"
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _configure_cpu(local_device_count: int | None) -> None:
+    if jax.config.jax_cpu_collectives_implementation in (None, "gloo"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if local_device_count is not None:
+        if not isinstance(local_device_count, int) or local_device_count < 1:
+            raise ClusterConfigError(
+                f"local_device_count={local_device_count!r} is not valid; give a positive "
+                "integer (the CPU devices to simulate in this process), or None."
+            )
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_count: int | None = None,
+    timeout_s: float = 60,
+    heartbeat_timeout_s: float = 20,
+    summary: bool = True,
+) -> ClusterSpec | None:
+    """Join this process to a multi-process job (a no-op for a single process).
+
+    Call it first, before any JAX computation (even ``jax.devices()``). With
+    no arguments the cluster comes from :mod:`dtensor.launch`'s variables,
+    JAX's own detection (TPU VMs, SLURM, Open MPI, Kubernetes) or
+    ``TF_CONFIG``; see :func:`resolve_cluster`. On CPU it selects gloo
+    collectives and, given ``local_device_count`` (or the launcher's
+    ``DTENSOR_DEVICES_PER_PROCESS``), that many simulated devices. Process 0
+    prints one table of the resolved cluster.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0 (which runs the
+            coordination service there).
+        num_processes: the number of processes.
+        process_id: this process's index, ``0 <= process_id < num_processes``.
+        local_device_count: CPU devices to simulate in this process.
+        timeout_s: how long to wait for the coordinator and all processes to
+            join before failing.
+        heartbeat_timeout_s: how long a silent process may go before the
+            others declare it lost and exit with :data:`EXIT_PEER_LOST`.
+        summary: print the cluster table on process 0.
+
+    Returns:
+        The resolved cluster, or ``None`` for a single process.
+
+    Raises:
+        ClusterConfigError: a malformed cluster description.
+        DistributedRuntimeError: called after JAX started its backends, or
+            the coordinator could not be reached / the processes did not all
+            join within ``timeout_s``.
+
+    Examples:
+        >>> import dtensor
+        >>> dtensor.initialize() is None  # no cluster here: one process
+        True
+        >>> dtensor.client_id(), dtensor.num_clients()
+        (0, 1)
+    """
+    with _lock:
+        spec = resolve_cluster(coordinator_address, num_processes, process_id)
+        env_count = os.environ.get(ENV_DEVICES_PER_PROCESS)
+        if local_device_count is None and env_count and spec is not None:
+            if spec.source == _LAUNCHER_SOURCE:
+                local_device_count = _int_env(os.environ, ENV_DEVICES_PER_PROCESS)
+        if spec is not None:
+            spec = dataclasses.replace(spec, local_device_count=local_device_count)
+        if _state.initialized:
+            if spec == _state.spec:
+                return spec
+            raise DistributedRuntimeError(
+                f"dtensor.initialize() was already called with {_state.spec}; now got {spec}. "
+                "Call it once per process (or dtensor.shutdown() first)."
+            )
+        if spec is None:
+            if local_device_count is not None and not _backends_started():
+                _configure_cpu(local_device_count)
+            _state.initialized, _state.spec = True, None
+            return None
+        if _backends_started():
+            raise DistributedRuntimeError(
+                f"dtensor.initialize() for a {spec.num_processes or 'multi'}-process job (from "
+                f"{spec.source}) was called after JAX had started its backends; got a process "
+                "where jax.devices() or a computation already ran. Call dtensor.initialize() "
+                "first thing in the program, before any other JAX call."
+            )
+        _configure_cpu(local_device_count)
+        spec = _connect(spec, timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        _state.initialized, _state.spec = True, spec
+        _state.previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+        atexit.register(_finish_watchdog)  # runs before JAX's own shutdown (registered earlier)
+    devices = jax.devices()  # every process starts its backend: a collective step
+    if summary and client_id() == 0:
+        _print_summary(spec, devices)
+    return spec
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _wait_for_coordinator(spec: ClusterSpec, deadline: float) -> None:
+    """Until ``deadline``, try to open a TCP connection to the coordinator."""
+    assert spec.coordinator_address is not None
+    host, port = _split_address(spec.coordinator_address)
+    last: Exception | None = None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    raise DistributedRuntimeError(
+        f"dtensor.initialize(): process {spec.process_id} of {spec.num_processes} could not "
+        f"reach the coordinator at {spec.coordinator_address} (from {spec.source}) within the "
+        f"timeout; the last attempt said: {last}. Check that the address is process 0's host "
+        "and port, that process 0 is running, and that no firewall is in the way; or raise "
+        "timeout_s if process 0 starts slowly."
+    )
+
+
+def _connect(spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float) -> ClusterSpec:
+    from jax._src import distributed
+
+    deadline = time.monotonic() + timeout_s
+    if spec.coordinator_address is not None and spec.process_id != 0:
+        _wait_for_coordinator(spec, deadline)
+    joined = threading.Event()
+
+    def join_timeout() -> None:
+        if not joined.wait(max(0.0, deadline - time.monotonic())):
+            _die(
+                f"dtensor.initialize(): process {spec.process_id} of "
+                f"{spec.num_processes or '?'}: not all processes joined the job at coordinator "
+                f"{spec.coordinator_address} (from {spec.source}) within {timeout_s:g} s. Start "
+                "every process (each with its own process_id), with the same coordinator "
+                "address and number of processes, or raise timeout_s."
+            )
+
+    threading.Thread(target=join_timeout, name="dtensor-join-timeout", daemon=True).start()
+    try:
+        # JAX's own limits are the backstop; ours fire first and name who is missing.
+        jax.distributed.initialize(
+            spec.coordinator_address,
+            spec.num_processes,
+            spec.process_id,
+            initialization_timeout=int(timeout_s) + 10,
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s) + 10,
+            shutdown_timeout_seconds=int(timeout_s),
+        )
+    except Exception as e:
+        joined.set()
+        jax.distributed.shutdown()
+        raise DistributedRuntimeError(
+            f"dtensor.initialize(): process {spec.process_id} could not start the job at "
+            f"coordinator {spec.coordinator_address} (from {spec.source}): {e}. Check the "
+            "address and that its port is free on process 0's host."
+        ) from None
+    joined.set()
+    state = distributed.global_state
+    spec = dataclasses.replace(
+        spec,
+        coordinator_address=state.coordinator_address,
+        num_processes=state.num_processes,
+        process_id=state.process_id,
+    )
+    _state.watchdog = _Watchdog(
+        state.client,
+        state.process_id,
+        state.num_processes,
+        str(state.coordinator_address),
+        heartbeat_timeout_s,
+    )
+    _state.watchdog.start()
+    return spec
+
+
+def _finish_watchdog() -> None:
+    if _state.watchdog is not None:
+        _state.watchdog.finish()
+
+
+def _print_summary(spec: ClusterSpec, devices: list[Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    per_process: dict[int, int] = {}
+    for d in devices:
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    counts = sorted(set(per_process.values()))
+    table = Table(title="dtensor cluster", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("processes", str(num_clients()))
+    table.add_row("devices per process", ", ".join(map(str, counts)))
+    table.add_row("devices in all", str(len(devices)))
+    table.add_row("platform", f"{devices[0].platform} ({devices[0].device_kind})")
+    table.add_row("coordinator", str(spec.coordinator_address))
+    table.add_row("source", spec.source)
+    Console(stderr=False).print(table)
+    sys.stdout.flush()
+
+
+def is_initialized() -> bool:
+    """Whether this process joined a multi-process job with :func:`initialize`."""
+    return jax.distributed.is_initialized()
+
+
+def client_id() -> int:
+    """This process's index in the job (0 for a single process).
+
+    Examples:
+        >>> import dtensor
+        >>> dtensor.client_id()
+        0
+    """
+    from jax._src import distributed
+
+    return int(distributed.global_state.process_id) if is_initialized() else 0
+
+
+def num_clients() -> int:
+    """The number of processes in the job (1 for a single process).
+
+    Examples:
+        >>> import dtensor
+        >>> dtensor.num_clients()
+        1
+    """
+    from jax._src import distributed
+
+    return int(distributed.global_state.num_processes) if is_initialized() else 1
+
+
+def barrier(name: str, *, timeout_s: float = 60) -> None:
+    """Wait until every process reaches ``barrier(name)`` (immediate for one process).
+
+    Barriers with the same name may be used again; all processes must pass
+    them in the same order.
+
+    Args:
+        name: what the processes wait for (appears in errors).
+        timeout_s: how long to wait for the slowest process.
+
+    Raises:
+        DistributedRuntimeError: not every process arrived within ``timeout_s``.
+
+    Examples:
+        >>> import dtensor
+        >>> dtensor.barrier("start")  # one process: returns at once
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"barrier name {name!r} is not valid; give a non-empty string naming the "
+            "point all processes wait at, e.g. barrier('checkpoint-saved')."
+        )
+    if not is_initialized():
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    count = _state.barrier_counts.get(name, 0)
+    _state.barrier_counts[name] = count + 1
+    try:
+        client.wait_at_barrier(f"dtensor/{name}/{count}", int(timeout_s * 1000))
+    except Exception as e:
+        raise DistributedRuntimeError(
+            f"barrier({name!r}) on process {client_id()}: not all {num_clients()} processes "
+            f"arrived within {timeout_s} s. A process is slower than timeout_s, took another "
+            "path through the program, or failed; raise timeout_s or make every process call "
+            f"barrier({name!r}) in the same order. Coordination service said: {e}"
+        ) from None
+
+
+def shutdown() -> None:
+    """Leave the multi-process job (waits for the other processes; a no-op for one).
+
+    Examples:
+        >>> import dtensor
+        >>> dtensor.shutdown()
+    """
+    with _lock:
+        _finish_watchdog()
+        _state.watchdog = None
+        if is_initialized():
+            jax.distributed.shutdown()
+        if _state.previous_excepthook is not None and sys.excepthook is _excepthook:
+            sys.excepthook = _state.previous_excepthook
+        _state.spec, _state.initialized, _state.previous_excepthook = None, False, None
+        _state.barrier_counts.clear()

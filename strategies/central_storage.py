@@ -1,0 +1,72 @@
+"""`CentralStorageStrategy`: one copy of the variables; compute on every device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import dtensor
+from dtensor import Layout
+
+from .base import Strategy, _replace, _value, _var_or_layout
+
+__all__ = ["CentralStorageStrategy"]
+
+
+class CentralStorageStrategy(Strategy):
+    """Variables kept once, on ``parameter_device``; each step copies them to the
+    compute devices, runs data-parallel, and stores the update back.
+
+    ``parameter_device`` defaults to the first compute device. (Keeping the
+    single copy in host memory through ``memory_kind`` is not done yet: the
+    copy lives in that device's memory.)
+
+    Examples:
+        >>> import strategies, jax.numpy as jnp, dtensor
+        >>> s = strategies.CentralStorageStrategy()
+        >>> w = s.distribute_variables({"w": jnp.ones((4, 4))})["w"]
+        >>> len(w.devices()), s.num_replicas_in_sync
+        (1, 8)
+    """
+
+    name = "central_storage"
+
+    def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
+        compute = list(compute_devices) if compute_devices is not None else jax.local_devices()
+        self.parameter_device = parameter_device if parameter_device is not None else compute[0]
+        self._storage_mesh = dtensor.create_mesh([("device", 1)], devices=[self.parameter_device])
+        super().__init__(dtensor.create_mesh([("replica", len(compute))], devices=compute), batch_axes=("replica",))
+        self._last_layouts: Any = None
+
+    def storage_layout(self, path: str, leaf: Any) -> Layout:
+        return Layout.replicated(self._storage_mesh, np.ndim(_value(leaf)))
+
+    def _compute_layout(self, storage: Layout) -> Layout:
+        return Layout.replicated(self.mesh, storage.rank)
+
+    def _adopt(self, x: jax.Array, mesh: dtensor.Mesh) -> jax.Array | None:
+        # Functional (Linen/optax) variables placed by distribute_variables live
+        # on the parameter device; each step copies them to the compute devices.
+        if mesh == self._storage_mesh:
+            return dtensor.relayout(x, Layout.replicated(self.mesh, x.ndim))
+        return None
+
+    def _to_compute(self, state: Any, layouts: Any) -> Any:
+        self._last_layouts = layouts
+        return jax.tree.map(
+            lambda var, lay: var if lay is None else _replace(var, dtensor.relayout(_value(var), self._compute_layout(lay))),
+            state,
+            layouts,
+            is_leaf=_var_or_layout,
+        )
+
+    def _to_storage(self, state: Any) -> Any:
+        return jax.tree.map(
+            lambda var, lay: var if lay is None else _replace(var, dtensor.relayout(_value(var), lay)),
+            state,
+            self._last_layouts,
+            is_leaf=_var_or_layout,
+        )

@@ -1,0 +1,181 @@
+"""`TensorParallelStrategy` (Megatron column/row rules) and `HybridStrategy` (data x fsdp x tensor)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import dtensor
+from dtensor import Layout, LayoutMap
+
+from .base import Strategy, _value
+from .fsdp import nbytes, shard_largest_dim
+
+__all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
+
+_T = "tensor"
+# Module names (the path component before the parameter name) by role.
+_COLUMN = re.compile(r"^(up|gate|wi|wi_\d|fc1|fc_in|w1|w3|in_proj|linear1|dense1|dense_in|hidden|mlp_in|intermediate|c_fc|qkv)$")
+_ROW = re.compile(r"^(down|wo|fc2|fc_out|w2|out_proj|linear2|dense2|dense_out|mlp_out|output|c_proj|proj)$")
+_ATTN_IN = re.compile(r"^(query|key|value|q_proj|k_proj|v_proj|q|k|v)$")
+_ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
+_EMBED = re.compile(r"^(embedding|embed|wte|tok_embeddings|token_embedding)$")
+
+
+def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | None:
+    """Megatron-LM's layout for a Flax parameter, by its module and parameter names.
+
+    Column-parallel layers (MLP up/gate, attention query/key/value) split
+    their output features; row-parallel layers (MLP down, attention out) split
+    their input features; embeddings split the vocabulary. Returns the specs
+    and the rule's name, or ``None`` when no rule applies.
+
+    Examples:
+        >>> from strategies.tensor_parallel import megatron_specs
+        >>> megatron_specs("blocks/0/mlp/up/kernel", (64, 256))
+        (['unsharded', 'tensor'], 'column')
+        >>> megatron_specs("blocks/0/attn/out/kernel", (4, 16, 64))
+        (['tensor', 'unsharded', 'unsharded'], 'row (attention out)')
+    """
+    parts = path.split("/")
+    if len(parts) < 2:
+        return None
+    module, param = parts[-2], parts[-1]
+    u = dtensor.UNSHARDED
+    rank = len(shape)
+    if param == "embedding" and rank == 2:
+        return [_T, u], "vocab"
+    if _EMBED.match(module) and rank == 2:
+        return [_T, u], "vocab"
+    if _ATTN_IN.match(module):
+        if param == "kernel" and rank == 3:
+            return [u, _T, u], "column (attention heads)"
+        if param == "bias" and rank == 2:
+            return [_T, u], "column (attention heads)"
+        if param == "kernel" and rank == 2:
+            return [u, _T], "column"
+        if param == "bias" and rank == 1:
+            return [_T], "column"
+    if _ATTN_OUT.match(module):
+        if param == "kernel" and rank == 3:
+            return [_T, u, u], "row (attention out)"
+        if param == "kernel" and rank == 2:
+            return [_T, u], "row"
+        if param == "bias":
+            return [u] * rank, "row (bias replicated)"
+    if _COLUMN.match(module):
+        if param == "kernel" and rank == 2:
+            return [u, _T], "column"
+        if param == "bias" and rank == 1:
+            return [_T], "column"
+    if _ROW.match(module):
+        if param == "kernel" and rank == 2:
+            return [_T, u], "row"
+        if param == "bias":
+            return [u] * rank, "row (bias replicated)"
+    return None
+
+
+class HybridStrategy(Strategy):
+    """A ``("data", "fsdp", "tensor")`` mesh: Megatron rules on ``tensor``, then
+    FSDP on the largest remaining dimension over ``fsdp``; the batch split over
+    ``data`` and ``fsdp``.
+
+    Args:
+        data: data-parallel size (``-1``: whatever the devices leave).
+        fsdp: fully-sharded size.
+        tensor: tensor-parallel size.
+        rules: a :class:`dtensor.LayoutMap` (on this strategy's mesh, or
+            given as ``(regex, specs)`` pairs) tried before the Megatron rules.
+        min_shard_bytes: variables smaller than this are not FSDP-sharded.
+        devices: the devices.
+
+    Examples:
+        >>> import strategies
+        >>> s = strategies.HybridStrategy(data=2, fsdp=2, tensor=2)
+        >>> s.mesh, s.num_replicas_in_sync
+        (Mesh(data=2, fsdp=2, tensor=2), 4)
+        >>> import jax.numpy as jnp
+        >>> s.variable_layout("mlp/up/kernel", jnp.zeros((64, 256)))
+        Layout(['fsdp', 'tensor'], mesh=Mesh(data=2, fsdp=2, tensor=2))
+    """
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        data: int = -1,
+        fsdp: int = 1,
+        tensor: int = 1,
+        *,
+        rules: LayoutMap | Sequence[tuple[str, Sequence[Any]]] | None = None,
+        min_shard_bytes: int = 16 << 10,
+        devices: Sequence[Any] | None = None,
+    ) -> None:
+        devices = list(devices) if devices is not None else jax.devices()
+        mesh = dtensor.create_mesh([("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices)
+        super().__init__(mesh, batch_axes=("data", "fsdp"))
+        if rules is not None and not isinstance(rules, LayoutMap):
+            rules = LayoutMap(mesh, rules)
+        if isinstance(rules, LayoutMap) and rules.mesh != mesh:
+            rules = LayoutMap(mesh, [(p, s) for p, _, s in rules._rules], logical_axis_rules=rules.logical_axis_rules)
+        self.rules = rules
+        self.min_shard_bytes = min_shard_bytes
+
+    def _tensor_specs(self, path: str, leaf: Any) -> tuple[list[Any], str | None]:
+        shape = np.shape(_value(leaf))
+        if self.rules is not None:
+            found = self.rules.match(path)
+            if found is not None:
+                return list(self.rules.layout_for(path, leaf).layout.sharding_specs), found[0]
+        if self.mesh.shape["tensor"] > 1:
+            hit = megatron_specs(path, shape)
+            if hit is not None:
+                specs, rule = hit
+                n = self.mesh.shape["tensor"]
+                if all(s != _T or shape[d] % n == 0 for d, s in enumerate(specs)):
+                    return specs, f"megatron {rule}"
+                return [dtensor.UNSHARDED] * len(shape), f"megatron {rule} (not divisible: replicated)"
+        return [dtensor.UNSHARDED] * len(shape), None
+
+    def variable_layout(self, path: str, leaf: Any) -> Layout:
+        specs, _ = self._tensor_specs(path, leaf)
+        specs = [None if s == dtensor.UNSHARDED else s for s in specs]
+        fsdp = self.mesh.shape["fsdp"]
+        if fsdp > 1 and nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
+            specs = shard_largest_dim(specs, np.shape(_value(leaf)), "fsdp", fsdp)
+        return Layout(specs, self.mesh)
+
+    def rule_name(self, path: str, leaf: Any) -> str | None:
+        _, rule = self._tensor_specs(path, leaf)
+        if rule is None and self.mesh.shape["tensor"] > 1:
+            return None  # no tensor rule matched: reported as unmatched
+        return rule or self.name
+
+
+class TensorParallelStrategy(HybridStrategy):
+    """Megatron tensor parallelism over ``tensor_parallel`` devices, data parallel across the rest.
+
+    Examples:
+        >>> import strategies, jax.numpy as jnp
+        >>> s = strategies.TensorParallelStrategy(tensor_parallel=2)
+        >>> s.mesh
+        Mesh(data=4, fsdp=1, tensor=2)
+        >>> s.variable_layout("mlp/down/kernel", jnp.zeros((256, 64))).sharding_specs
+        ('tensor', 'unsharded')
+    """
+
+    name = "tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel: int = 2,
+        *,
+        rules: LayoutMap | Sequence[tuple[str, Sequence[Any]]] | None = None,
+        devices: Sequence[Any] | None = None,
+    ) -> None:
+        super().__init__(data=-1, fsdp=1, tensor=tensor_parallel, rules=rules, devices=devices)
