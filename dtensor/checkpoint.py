@@ -191,7 +191,9 @@ def _prepare_save(canon: Any, step: int) -> tuple[Any, dict[str, Any]]:
             entry["key_impl"] = _key_impl(leaf)
             leaf = jax.random.key_data(leaf)
         layout = _layout_of(leaf)
-        entry.update(shape=list(shape), dtype=dtype, layout=None if layout is None else layout.to_string())
+        entry.update(
+            shape=list(shape), dtype=dtype, layout=None if layout is None else layout.to_string()
+        )
         if layout is not None:
             desc = {"axes": layout.mesh.shape, "axis_types": layout.mesh.axis_types}
             if desc not in meshes:
@@ -241,7 +243,9 @@ def _saved_abstract(metadata_tree: Any) -> Any:
     def one(m: Any) -> Any:
         return jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype))
 
-    return jax.tree.map(one, metadata_tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+    return jax.tree.map(
+        one, metadata_tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype")
+    )
 
 
 def _as_saved_sharding(entry: dict[str, Any], fallback: Mesh) -> jax.sharding.Sharding:
@@ -294,12 +298,20 @@ def _target_abstract(canon: Any, by_path: dict[str, dict[str, Any]], where: str)
         saved = by_path[p]
         if isinstance(leaf, Layout):
             leaf.check_shape(saved["shape"], p)
-            out.append(jax.ShapeDtypeStruct(tuple(saved["shape"]), np.dtype(saved["dtype"]), sharding=leaf.sharding))
+            out.append(
+                jax.ShapeDtypeStruct(
+                    tuple(saved["shape"]), np.dtype(saved["dtype"]), sharding=leaf.sharding
+                )
+            )
         elif isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
             sharding = getattr(leaf, "sharding", None)
             if sharding is None:
                 sharding = _replicated(_default_mesh(), len(saved["shape"]))
-            out.append(jax.ShapeDtypeStruct(tuple(saved["shape"]), np.dtype(saved["dtype"]), sharding=sharding))
+            out.append(
+                jax.ShapeDtypeStruct(
+                    tuple(saved["shape"]), np.dtype(saved["dtype"]), sharding=sharding
+                )
+            )
         else:
             out.append(leaf)
     return treedef.unflatten(out)
@@ -359,9 +371,13 @@ class Checkpointer:
                 "save a checkpoint there first."
             )
         if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep={max_to_keep!r} is not valid; use a positive int or None (keep all).")
+            raise ValueError(
+                f"max_to_keep={max_to_keep!r} is not valid; use a positive int or None (keep all)."
+            )
         if save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps={save_interval_steps!r} is not valid; use a positive int.")
+            raise ValueError(
+                f"save_interval_steps={save_interval_steps!r} is not valid; use a positive int."
+            )
         cm = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             create=create,
@@ -378,7 +394,9 @@ class Checkpointer:
         ):
             registry.add(item, save_args)
             registry.add(item, restore_args)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, handler_registry=registry
+        )
 
     # -------------------------------------------------------------- steps
     def all_steps(self) -> list[int]:
@@ -452,8 +470,13 @@ class Checkpointer:
         """The JSON manifest of ``step`` (default: the latest complete step)."""
         step = self._check_step(step)
         ocp = _ocp()
-        out = self._manager.restore(step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))
-        manifest = out[_MANIFEST]
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+            )
+            manifest = out[_MANIFEST]
+        except KeyError:  # orbax: the item is not in this step
+            manifest = None
         if not isinstance(manifest, dict) or "leaves" not in manifest:
             raise CheckpointError(
                 f"step {step} in {str(self.directory)!r} has no dtensor manifest; it was not written "
@@ -493,16 +516,22 @@ class Checkpointer:
                 def place(path: Any, a: Any) -> Any:
                     entry = by_path.get(path_str(path), {"shape": a.shape})
                     sharding = (
-                        _replicated(fallback, a.ndim) if target is not None else _as_saved_sharding(entry, fallback)
+                        _replicated(fallback, a.ndim)
+                        if target is not None
+                        else _as_saved_sharding(entry, fallback)
                     )
                     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
                 abstract = jax.tree_util.tree_map_with_path(place, abstract)
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+            )
             return _wrap_keys(restored[_STATE], by_path)
         canon = _canon(target)
         abstract = _target_abstract(canon, by_path, where)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+        )
         return _rebuild(target, restored[_STATE])
 
     # ------------------------------------------------------------ lifecycle
@@ -563,7 +592,9 @@ def save(directory: str | os.PathLike[str], tree: Any, *, step: int | None = Non
     return step
 
 
-def restore(directory: str | os.PathLike[str], target: Any = None, *, step: int | None = None) -> Any:
+def restore(
+    directory: str | os.PathLike[str], target: Any = None, *, step: int | None = None
+) -> Any:
     """Restore a checkpoint from ``directory`` (default: its latest complete step).
 
     ``target`` is described in the module docstring: ``None``, a mesh, a
@@ -591,4 +622,3 @@ def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None)
     """
     with _existing(directory) as ckpt:
         return ckpt.manifest(step)
-

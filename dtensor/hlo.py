@@ -218,7 +218,15 @@ def _ints(s: str) -> list[int]:
 
 
 def _iota(text: str) -> np.ndarray | None:
-    """``[a,b]<=[dims]T(perm)`` as an array of shape ``[a,b]``; ``None`` if not iota."""
+    """``[a,b]<=[dims]T(perm)`` as an array of shape ``[a,b]`` (the short form
+    ``[dims]T(perm)``, as in mesh ``device_ids``, is flat); ``None`` if not iota."""
+    short = re.fullmatch(r"\s*\[([0-9,]+)\](?:T\(([0-9,]+)\))?\s*", text)
+    if short:
+        dims = _ints(short.group(1))
+        arr = np.arange(math.prod(dims)).reshape(dims)
+        if short.group(2):
+            arr = arr.transpose(_ints(short.group(2)))
+        return arr.reshape(-1)
     m = re.fullmatch(r"\s*\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?\s*", text)
     if not m:
         return None

@@ -126,24 +126,17 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, deterministic (sorted keys; ``comm_ratio`` ``None`` if infinite)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del d["compiled"]
         ratio = self.comm_ratio
-        d = {
-            "alias_bytes_per_device": self.alias_bytes_per_device,
-            "argument_bytes_per_device": self.argument_bytes_per_device,
-            "collectives": [c.to_dict() for c in self.collectives],
-            "comm_bytes_per_device": self.comm_bytes_per_device,
-            "comm_ratio": None if math.isinf(ratio) else ratio,
-            "data_axes": list(self.data_axes),
-            "ideal_state_bytes_per_device": self.ideal_state_bytes_per_device,
-            "mesh": self.mesh,
-            "min_comm_bytes_per_device": self.min_comm_bytes_per_device,
-            "output_bytes_per_device": self.output_bytes_per_device,
-            "state_bytes_per_device": self.state_bytes_per_device,
-            "temp_bytes_per_device": self.temp_bytes_per_device,
-            "variables": [v.to_dict() for v in self.variables],
-            "warnings": [w.to_dict() for w in self.warnings],
-        }
-        return d
+        d.update(
+            collectives=[c.to_dict() for c in self.collectives],
+            comm_ratio=None if math.isinf(ratio) else ratio,
+            data_axes=list(self.data_axes),
+            variables=[v.to_dict() for v in self.variables],
+            warnings=[w.to_dict() for w in self.warnings],
+        )
+        return dict(sorted(d.items()))
 
     def to_json(self, **kwargs: Any) -> str:
         """``json.dumps(self.to_dict(), sort_keys=True, ...)``."""
@@ -155,6 +148,9 @@ class Report:
 
 # --------------------------------------------------------------------- helpers
 def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
+    """The sharding a leaf asks for (none for an uncommitted array: jit places it)."""
+    if isinstance(leaf, jax.Array) and not getattr(leaf, "committed", True):
+        return None
     s = getattr(leaf, "sharding", None)
     return s if isinstance(s, jax.sharding.Sharding) else None
 
@@ -292,7 +288,7 @@ def explain(
             only when the mesh has more than one device off the data axes).
         replicated_warn_bytes: the size above which a replicated variable is
             "large".
-        **kwargs: keyword arguments of ``fn``.
+        **kwargs: keyword arguments of ``fn`` (any but the names above).
 
     Returns:
         A :class:`Report`.
@@ -326,23 +322,20 @@ def explain(
     compiled = lower(*args, **kwargs).compile()
     mesh = _program_mesh(compiled)
     mesh_shape = list(mesh.shape.items()) if mesh is not None else None
-    collectives = tuple(parse_collectives(compiled.as_text(), mesh_shape))
+    collectives = tuple(parse_collectives(compiled.as_text() or "", mesh_shape))
     in_shardings = compiled.input_shardings[0]
     findings, batch_axes = _check_args(args, in_shardings, var_arg)
     data = _data_axes(data_axes, batch_axes, mesh)
 
     all_leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
     compiled_var = jax.tree.leaves(in_shardings[var_arg]) if var_arg is not None else []
-    compiled_of = {}
-    if len(compiled_var) == len(all_leaves):
-        compiled_of = {id(x): s for (_, x), s in zip(all_leaves, compiled_var, strict=True)}
+    compiled_of = dict(enumerate(compiled_var)) if len(compiled_var) == len(all_leaves) else {}
     infos, var_findings = _variables(
         all_leaves,
         compiled_of,
         rules,
         grad_paths,
         data,
-        mesh,
         expect_sharded,
         replicated_warn_bytes,
     )
@@ -412,19 +405,20 @@ def _variables(
     rules: Any,
     grad_paths: Callable[[str], bool] | None,
     data: tuple[str, ...],
-    mesh: Mesh | None,
     expect_sharded: bool,
     warn_bytes: int,
 ) -> tuple[list[tuple[VariableInfo, float]], list[Finding]]:
     """The table rows (each with its minimum communication) and their warnings."""
-    leaves = [(path_str(p) or "variables", x) for p, x in all_leaves if _is_array(x)]
-    rule_of = _rule_list(rules, [p for p, _ in leaves])
+    leaves = [
+        (i, path_str(p) or "variables", x) for i, (p, x) in enumerate(all_leaves) if _is_array(x)
+    ]
+    rule_of = _rule_list(rules, [p for _, p, _ in leaves])
     rows: list[tuple[VariableInfo, float]] = []
     findings: list[Finding] = []
-    for k, (p, leaf) in enumerate(leaves):
+    for k, (i, p, leaf) in enumerate(leaves):
         shape = tuple(int(d) for d in leaf.shape)
         dtype = np.dtype(leaf.dtype)
-        sharding = _sharding_of(leaf) or compiled_of.get(id(leaf))
+        sharding = _sharding_of(leaf) or compiled_of.get(i)
         if sharding is None:
             raise TypeError(
                 f"variable {p!r} (shape {shape}) has no sharding and is not one of explain's "
@@ -476,8 +470,8 @@ def _check_outputs(
         ]
     findings = []
     for prefix, sub in candidates:
-        for (path, leaf), s in zip(all_leaves, jax.tree.leaves(sub), strict=True):
-            asked = _sharding_of(leaf) or compiled_of.get(id(leaf))
+        for i, ((path, leaf), s) in enumerate(zip(all_leaves, jax.tree.leaves(sub), strict=True)):
+            asked = _sharding_of(leaf) or compiled_of.get(i)
             rank = len(getattr(leaf, "shape", ()))
             if asked is not None and _is_array(leaf) and _mismatch(asked, s, rank):
                 findings.append(

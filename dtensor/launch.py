@@ -179,7 +179,7 @@ def launch(
         (0, ['0', '1'])
     """
     _check(cmd, num_processes, devices_per_process)
-    out = sys.stdout if out is None else out
+    sink: IO[str] = sys.stdout if out is None else out
     port = free_port() if port is None else port
     base = dict(os.environ)
     base.update(env or {})
@@ -207,7 +207,7 @@ def launch(
             procs.append(p)
             assert p.stdout is not None
             t = threading.Thread(
-                target=_pump, args=(rank, p.stdout, sinks[rank], out, lock), daemon=True
+                target=_pump, args=(rank, p.stdout, sinks[rank], sink, lock), daemon=True
             )
             t.start()
             pumps.append(t)
@@ -220,7 +220,7 @@ def launch(
                         break
                 if first is not None and stop_on_failure:
                     _note(
-                        out,
+                        sink,
                         lock,
                         f"rank {first[0]} exited with status {first[1]}; stopping the others",
                     )
@@ -229,7 +229,7 @@ def launch(
             if deadline is not None and time.monotonic() > deadline:
                 timed_out = True
                 running = [r for r, p in enumerate(procs) if p.poll() is None]
-                _note(out, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
+                _note(sink, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
                 _stop(procs, grace_s)
                 break
             time.sleep(0.05)

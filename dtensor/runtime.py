@@ -139,7 +139,9 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> ClusterSpec:
         try:
             config = json.loads(tf_config)
         except json.JSONDecodeError as e:
-            raise _tf_error(f"is not valid JSON ({e.msg} at character {e.pos})", tf_config) from None
+            raise _tf_error(
+                f"is not valid JSON ({e.msg} at character {e.pos})", tf_config
+            ) from None
     else:
         config = tf_config
     if not isinstance(config, Mapping):
@@ -302,6 +304,7 @@ class _State:
     spec: ClusterSpec | None = None
     initialized: bool = False
     watchdog: _Watchdog | None = None
+    atexit_registered: bool = False
     barrier_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     previous_excepthook: Any = None
 
@@ -399,15 +402,47 @@ class _Watchdog:
             "error in the lost process's own output."
         )
 
+
+_RUNTIME_STATUS = re.compile(
+    r"^(UNKNOWN|UNAVAILABLE|INTERNAL|ABORTED|DEADLINE_EXCEEDED|CANCELLED|FAILED_PRECONDITION): "
+    r"|gloo|nccl|connection (closed|reset|refused)",
+    re.IGNORECASE,
+)
+
+
+def _maybe_peer_failure(exc_type: Any, exc: Any) -> bool:
+    """Whether an uncaught exception looks like a collective failing for a lost peer.
+
+    XLA reports runtime failures as ``JaxRuntimeError``, and some (gloo's
+    "Connection closed by peer") as a ``ValueError`` whose text starts with
+    an absl status code.
+    """
+    return issubclass(exc_type, jax.errors.JaxRuntimeError) or bool(
+        _RUNTIME_STATUS.search(str(exc))
+    )
+
+
 def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
     """Uncaught exception in a multi-process job: report it and leave at once.
 
     Waiting in JAX's shutdown barrier would hang this process while the
-    others wait in a collective for it; exiting lets them see it is gone.
+    others wait in a collective for it; exiting lets them see it is gone. An
+    XLA runtime error is often a collective failing because a peer died, so
+    for those the watchdog first gets one heartbeat timeout to name the lost
+    process (it then ends this process with :data:`EXIT_PEER_LOST`).
     """
     hook = _state.previous_excepthook or sys.__excepthook__
     try:
         hook(exc_type, exc, tb)
+        watchdog = _state.watchdog
+        if watchdog is not None and _maybe_peer_failure(exc_type, exc):
+            sys.stderr.write(
+                f"dtensor.runtime: process {client_id()} of {num_clients()} got an XLA runtime "
+                f"error; checking for up to {watchdog.timeout:g} s whether another process "
+                "was lost.\n"
+            )
+            sys.stderr.flush()
+            watchdog.stop.wait(watchdog.timeout + 3 * watchdog.period)
         sys.stderr.write(
             f"dtensor.runtime: process {client_id()} of {num_clients()} stopped by an uncaught "
             f"{exc_type.__name__}; the other processes will stop too.\n"
@@ -425,7 +460,7 @@ def _backends_started() -> bool:
 
 
 def _configure_cpu(local_device_count: int | None) -> None:
-    if jax.config.jax_cpu_collectives_implementation in (None, "gloo"):
+    if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "gloo"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if local_device_count is not None:
         if not isinstance(local_device_count, int) or local_device_count < 1:
@@ -493,16 +528,20 @@ def initialize(
         if spec is not None:
             spec = dataclasses.replace(spec, local_device_count=local_device_count)
         if _state.initialized:
-            if spec == _state.spec:
-                return spec
+            done = _state.spec
+            asked = (coordinator_address, num_processes, process_id)
+            if done is not None and (
+                asked == (None, None, None)
+                or asked == (done.coordinator_address, done.num_processes, done.process_id)
+            ):
+                return done
             raise DistributedRuntimeError(
                 f"dtensor.initialize() was already called with {_state.spec}; now got {spec}. "
                 "Call it once per process (or dtensor.shutdown() first)."
             )
-        if spec is None:
+        if spec is None:  # one process: nothing to join
             if local_device_count is not None and not _backends_started():
                 _configure_cpu(local_device_count)
-            _state.initialized, _state.spec = True, None
             return None
         if _backends_started():
             raise DistributedRuntimeError(
@@ -516,7 +555,9 @@ def initialize(
         _state.initialized, _state.spec = True, spec
         _state.previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
-        atexit.register(_finish_watchdog)  # runs before JAX's own shutdown (registered earlier)
+        if not _state.atexit_registered:  # runs before JAX's own shutdown (registered earlier)
+            atexit.register(_finish_watchdog)
+            _state.atexit_registered = True
     devices = jax.devices()  # every process starts its backend: a collective step
     if summary and client_id() == 0:
         _print_summary(spec, devices)
@@ -691,6 +732,8 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
     from jax._src import distributed
 
     client = distributed.global_state.client
+    if client is None:
+        return
     count = _state.barrier_counts.get(name, 0)
     _state.barrier_counts[name] = count + 1
     try:

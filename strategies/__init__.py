@@ -16,6 +16,9 @@ from .parameter_server import ParameterServerStrategy as ParameterServerStrategy
 from .partitioners import FixedShardsPartitioner as FixedShardsPartitioner
 from .partitioners import MaxSizePartitioner as MaxSizePartitioner
 from .partitioners import MinSizePartitioner as MinSizePartitioner
+from .registry import PRESET_NAMES as PRESET_NAMES
+from .registry import describe_presets as describe_presets
+from .registry import from_name as from_name
 from .tensor_parallel import HybridStrategy as HybridStrategy
 from .tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
 from .tpu import TPUStrategy as TPUStrategy
@@ -36,6 +39,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "PRESET_NAMES",
     "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
@@ -44,6 +48,8 @@ __all__ = [
     "TPUStrategy",
     "TensorParallelStrategy",
     "ValueContext",
+    "describe_presets",
+    "from_name",
     "get_replica_context",
     "get_strategy",
     "in_cross_replica_context",

@@ -93,6 +93,7 @@ class Strategy:
     """
 
     name: str = "strategy"
+    shards_variables: bool = False  # whether the preset means to split variables (explain warns otherwise)
 
     def __init__(
         self,
@@ -273,7 +274,7 @@ class Strategy:
             nnx.update(tuple(nodes), self._to_storage(new_state))
         if per_replica:
             out = jax.tree.map(PerReplica, out)
-        self._bound_in_flight(new_state if nodes else out)
+        self._bound_in_flight(out if jax.tree.leaves(out) else new_state)
         return out
 
     def _bound_in_flight(self, result: Any) -> None:
@@ -284,7 +285,9 @@ class Strategy:
             return
         self._in_flight.append(leaves[0])
         while len(self._in_flight) > self.max_steps_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
+            oldest = self._in_flight.popleft()
+            if not oldest.is_deleted():  # a donated state buffer: a later step waits on it
+                oldest.block_until_ready()
 
     def _to_compute(self, state: Any, layouts: Any) -> Any:
         """Move stored variables to their compute layout (a no-op unless storage differs)."""
@@ -447,8 +450,7 @@ class Strategy:
 
         def pure(state: Any, leaves: list[Any]) -> Any:
             state_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
-            out_shape = jax.eval_shape(body, state, leaves)[1]
-            out_specs = (state_specs, jax.tree.map(lambda _: batch_spec, out_shape))
+            out_specs = (state_specs, batch_spec)  # a prefix: every output is per-replica
             return jax.shard_map(
                 body,
                 mesh=strategy.mesh.jax_mesh,
@@ -496,7 +498,15 @@ class Strategy:
                 kinds.append(_Static(v))
         compiled = self._compile(fn, treedef, graphdef, kinds, layouts, arrays, False)
         with self.mesh:
-            return explain(compiled, state, arrays, variables=state, rules=rules, data_axes=self.batch_axes)
+            return explain(
+                compiled,
+                state,
+                arrays,
+                variables=state,
+                rules=rules,
+                data_axes=self.batch_axes,
+                expect_sharded=self.shards_variables,
+            )
 
     def _node_relative(self, path: str, leaf: Any) -> ResolvedLayout:
         return self.storage_layout_fn(path.split("/", 1)[1] if "/" in path else path, leaf)

@@ -158,7 +158,9 @@ class PreemptionCheckpointHandler:
         self.save_interval_steps = save_interval_steps
         self.termination_config = termination_config or TerminationConfig()
         self.total_run_calls = 0
-        self._checkpointer = Checkpointer(checkpoint_dir, max_to_keep=max_to_keep, async_save=async_save)
+        self._checkpointer = Checkpointer(
+            checkpoint_dir, max_to_keep=max_to_keep, async_save=async_save
+        )
         self._last_saved: int | None = None
         self._notice_time: float | None = None
         self._step_seconds = 0.0
@@ -219,7 +221,9 @@ class PreemptionCheckpointHandler:
         del frame
         if self._notice_time is None:
             self._notice_time = time.monotonic()
-            _log.warning("received signal %d; saving a checkpoint at the next step boundary", signum)
+            _log.warning(
+                "received signal %d; saving a checkpoint at the next step boundary", signum
+            )
 
     @property
     def preemption_noticed(self) -> bool:

@@ -62,6 +62,7 @@ class FullyShardedStrategy(Strategy):
     """
 
     name = "fully_sharded"
+    shards_variables = True
 
     def __init__(self, devices: Sequence[Any] | None = None, *, min_shard_bytes: int = 16 << 10) -> None:
         if min_shard_bytes < 0:

@@ -36,6 +36,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    shards_variables = True
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ __all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
 
 _T = "tensor"
 # Module names (the path component before the parameter name) by role.
-_COLUMN = re.compile(r"^(up|gate|wi|wi_\d|fc1|fc_in|w1|w3|in_proj|linear1|dense1|dense_in|hidden|mlp_in|intermediate|c_fc|qkv)$")
+_COLUMN = re.compile(r"^(up|gate|wi|wi_\d|fc1|fc_in|w1|w3|in_proj|linear1|dense1|dense_in|hidden|mlp_in|intermediate|c_fc|qkv|head|lm_head)$")
 _ROW = re.compile(r"^(down|wo|fc2|fc_out|w2|out_proj|linear2|dense2|dense_out|mlp_out|output|c_proj|proj)$")
 _ATTN_IN = re.compile(r"^(query|key|value|q_proj|k_proj|v_proj|q|k|v)$")
 _ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
@@ -77,6 +77,8 @@ def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | N
             return [_T, u], "row"
         if param == "bias":
             return [u] * rank, "row (bias replicated)"
+    if rank <= 1:
+        return [u] * rank, "replicated (norms, scalars)"
     return None
 
 
@@ -105,6 +107,7 @@ class HybridStrategy(Strategy):
     """
 
     name = "hybrid"
+    shards_variables = True
 
     def __init__(
         self,

@@ -48,7 +48,10 @@ class Block(nnx.Module):
 def mlp_batches(steps: int = 5, batch: int = 16, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.normal(size=(batch, 16)).astype(np.float32), "y": rng.normal(size=(batch, 8)).astype(np.float32)}
+        {
+            "x": rng.normal(size=(batch, 16)).astype(np.float32),
+            "y": rng.normal(size=(batch, 8)).astype(np.float32),
+        }
         for _ in range(steps)
     ]
 

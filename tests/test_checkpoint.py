@@ -15,7 +15,7 @@ from flax import nnx
 
 import dtensor
 from dtensor import Layout, checkpoint
-from dtensor.checkpoint import CheckpointError, Checkpointer
+from dtensor.checkpoint import Checkpointer, CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers_ckpt"
@@ -172,7 +172,9 @@ def test_nnx_module_and_optimizer_restored_in_place(tmp_path):
     model(jnp.ones((2, 8)))  # advances the dropout RNG
     checkpoint.save(tmp_path, {"model": model, "opt": opt, "epoch": 2})
     expected = jax.tree.map(
-        lambda v: jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v,
+        lambda v: (
+            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+        ),
         nnx.state((model, opt)).to_pure_dict(),
     )
 
@@ -183,7 +185,9 @@ def test_nnx_module_and_optimizer_restored_in_place(tmp_path):
     out = checkpoint.restore(tmp_path, {"model": model2, "opt": opt2, "epoch": 0})
     assert out["model"] is model2 and out["opt"] is opt2 and out["epoch"] == 2
     got = jax.tree.map(
-        lambda v: jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v,
+        lambda v: (
+            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+        ),
         nnx.state((model2, opt2)).to_pure_dict(),
     )
     assert_tree_bits_equal(got, expected)
@@ -264,7 +268,9 @@ def test_mismatched_target_lists_differing_paths(tmp_path, sharded_tree):
 
 def test_mismatched_nnx_model_is_reported(tmp_path):
     checkpoint.save(tmp_path, {"model": nnx.Linear(4, 8, rngs=nnx.Rngs(0))})
-    with pytest.raises(CheckpointError, match=r"'model/kernel': saved float32\[4,8\] vs target float32\[4,6\]"):
+    with pytest.raises(
+        CheckpointError, match=r"'model/kernel': saved float32\[4,8\] vs target float32\[4,6\]"
+    ):
         checkpoint.restore(tmp_path, {"model": nnx.Linear(4, 6, rngs=nnx.Rngs(0))})
 
 
@@ -294,7 +300,9 @@ def test_directory_without_complete_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint in"):
         checkpoint.restore(tmp_path)
     (tmp_path / "3.orbax-checkpoint-tmp-123").mkdir()
-    with pytest.raises(CheckpointError, match=r"only unfinished writes: \['3.orbax-checkpoint-tmp-123'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"only unfinished writes: \['3.orbax-checkpoint-tmp-123'\]"
+    ):
         checkpoint.restore(tmp_path)
 
 
@@ -352,3 +360,5 @@ def test_restore_in_a_process_with_4_devices(tmp_path, sharded_tree):
         assert bits(out[name]) == bits(sharded_tree[name])
     assert int(out["w:devices"]) == 4 and tuple(out["w:shard"]) == (4, 8)
     assert tuple(out["step:shard"]) == ()
+    assert bits(out["plain:w"]) == bits(sharded_tree["w"])
+    assert int(out["plain:w:devices"]) == 4 and bool(out["plain:w:replicated"])

@@ -67,7 +67,9 @@ def test_data_parallel_step_one_combined_all_reduce(mesh8):
     params, batch = mlp(mesh8, {"w1": [None, None], "b1": [None], "w2": [None, None]})
     r = dtensor.explain(sgd_step, params, batch)
     assert {c.name for c in r.collectives} == {r.collectives[0].name}  # one HLO instruction
-    assert {(c.kind, c.mesh_axes, c.group_size) for c in r.collectives} == {("all-reduce", ("x",), 8)}
+    assert {(c.kind, c.mesh_axes, c.group_size) for c in r.collectives} == {
+        ("all-reduce", ("x",), 8)
+    }
     # Gradients plus the scalar loss, each 2*7/8 of its bytes.
     assert r.comm_bytes_per_device == pytest.approx(2 * 7 / 8 * (PARAM_BYTES + F32))
     assert r.min_comm_bytes_per_device == pytest.approx(2 * 7 / 8 * PARAM_BYTES)
@@ -117,7 +119,9 @@ def test_explicit_relayout_is_an_all_to_all(mesh8):
     src, dst = dtensor.Layout(["x", None], mesh8), dtensor.Layout([None, "x"], mesh8)
     f = jax.jit(lambda a: a * 2, in_shardings=src.sharding, out_shardings=dst.sharding)
     r = dtensor.explain(f, jax.ShapeDtypeStruct((16, 16), jnp.float32), variables={})
-    assert {(c.kind, c.mesh_axes, c.group_size) for c in r.collectives} == {("all-to-all", ("x",), 8)}
+    assert {(c.kind, c.mesh_axes, c.group_size) for c in r.collectives} == {
+        ("all-to-all", ("x",), 8)
+    }
     local = 16 * 16 * F32 // 8
     assert r.comm_bytes_per_device == pytest.approx(7 / 8 * local)
     assert r.variables == () and r.min_comm_bytes_per_device == 0
@@ -136,18 +140,24 @@ def test_dtensor_collectives_map_to_both_mesh_axes(mesh42):
     assert c.bytes_per_device == 1 / 2 * 2 * 8 * F32
 
     a_only = dtensor.Layout(["a", None], mesh42)
-    r = dtensor.explain(lambda v: dtensor.all_gather(v, "a", layout=a_only), sds((8, 8), a_only), variables={})
+    r = dtensor.explain(
+        lambda v: dtensor.all_gather(v, "a", layout=a_only), sds((8, 8), a_only), variables={}
+    )
     [c] = r.collectives
     assert (c.kind, c.mesh_axes, c.group_size, c.shape) == ("all-gather", ("a",), 4, (8, 8))
     assert c.bytes_per_device == 3 / 4 * 64 * F32
 
     rep = dtensor.Layout.replicated(mesh42, 2)
-    r = dtensor.explain(lambda v: dtensor.reduce_scatter(v, "a", layout=rep), sds((8, 8), rep), variables={})
+    r = dtensor.explain(
+        lambda v: dtensor.reduce_scatter(v, "a", layout=rep), sds((8, 8), rep), variables={}
+    )
     [c] = r.collectives
     assert (c.kind, c.mesh_axes, c.group_size, c.shape) == ("reduce-scatter", ("a",), 4, (2, 8))
     assert c.bytes_per_device == 3 / 4 * 64 * F32  # (n-1)/n of the input
 
-    r = dtensor.explain(lambda v: dtensor.reduce_scatter(v, "b", dim=1, layout=rep), sds((8, 8), rep), variables={})
+    r = dtensor.explain(
+        lambda v: dtensor.reduce_scatter(v, "b", dim=1, layout=rep), sds((8, 8), rep), variables={}
+    )
     [c] = r.collectives
     assert (c.kind, c.mesh_axes, c.group_size, c.shape) == ("reduce-scatter", ("b",), 2, (8, 4))
 
@@ -170,9 +180,13 @@ def test_partitioner_collectives_map_to_mesh_axes(mesh42, reduce_dim, out_spec, 
 
 def test_permuted_device_order_maps_through_the_mesh():
     devices = jax.devices()
-    mesh = dtensor.create_mesh([("a", 4), ("b", 2)], devices=[devices[i] for i in (3, 1, 2, 0, 7, 5, 6, 4)])
+    mesh = dtensor.create_mesh(
+        [("a", 4), ("b", 2)], devices=[devices[i] for i in (3, 1, 2, 0, 7, 5, 6, 4)]
+    )
     ab = dtensor.Layout(["a", "b"], mesh)
-    r = dtensor.explain(lambda v: dtensor.all_reduce(v, "a", layout=ab), sds((8, 8), ab), variables={})
+    r = dtensor.explain(
+        lambda v: dtensor.all_reduce(v, "a", layout=ab), sds((8, 8), ab), variables={}
+    )
     assert [(c.mesh_axes, c.group_size) for c in r.collectives] == [(("a",), 4)]
 
 
@@ -188,7 +202,9 @@ def test_loop_collectives_count_trip_count(mesh42):
     r = dtensor.explain(jax.grad(f, argnums=1), x, ws, variables={})
     looped = [c for c in r.collectives if c.count == 3]
     assert looped and all(c.mesh_axes == ("a",) for c in looped)
-    assert r.comm_bytes_per_device == pytest.approx(sum(c.bytes_per_device * c.count for c in r.collectives))
+    assert r.comm_bytes_per_device == pytest.approx(
+        sum(c.bytes_per_device * c.count for c in r.collectives)
+    )
 
 
 def test_jitted_fn_with_concrete_arrays_is_compiled_not_run(mesh8):
@@ -203,6 +219,16 @@ def test_jitted_fn_with_concrete_arrays_is_compiled_not_run(mesh8):
     r = dtensor.explain(jax.jit(f, in_shardings=rep.sharding, out_shardings=rep.sharding), v)
     assert calls == []
     assert r.variables[0].layout == "[unsharded]" and r.collectives == ()
+
+
+def test_uncommitted_arrays_take_the_compiled_layout(mesh8):
+    params = {"w": jnp.zeros((512, 1024))}  # uncommitted: jit replicates it
+    x = dtensor.copy_to_mesh(jnp.ones((8, 512)), dtensor.Layout(["x", None], mesh8))
+    r = dtensor.explain(lambda p, x: (x @ p["w"]).sum(), params, x, expect_sharded=True)
+    assert [(v.path, v.layout, v.bytes_per_device) for v in r.variables] == [
+        ("w", "[unsharded, unsharded]", 512 * 1024 * F32)
+    ]
+    assert [(w.kind, w.path) for w in r.warnings] == [("replicated", "w")]
 
 
 def test_optimizer_state_does_not_count_towards_the_minimum(mesh8):
@@ -249,14 +275,24 @@ def shard_largest_divisible(mesh, shape):
 def test_non_divisible_dimension_warns_replicated(mesh8):
     shapes = {"odd": (10, 30), "even": (16, 32)}
     state = {k: sds(s, shard_largest_divisible(mesh8, s)) for k, s in shapes.items()}
-    r = dtensor.explain(lambda s: jax.tree.map(lambda a: a * 2, s), state, expect_sharded=True, replicated_warn_bytes=1000)
+    r = dtensor.explain(
+        lambda s: jax.tree.map(lambda a: a * 2, s),
+        state,
+        expect_sharded=True,
+        replicated_warn_bytes=1000,
+    )
     assert [(w.kind, w.path) for w in r.warnings] == [("replicated", "odd")]
-    assert "odd [10, 30] float32" in r.warnings[0].message and "replicated on all 8 devices" in r.warnings[0].message
+    assert (
+        "odd [10, 30] float32" in r.warnings[0].message
+        and "replicated on all 8 devices" in r.warnings[0].message
+    )
     # Pure data parallel on a one-axis mesh: replication is the plan, no warning.
     double = lambda s: jax.tree.map(lambda a: a * 2, s)  # noqa: E731
     assert dtensor.explain(double, state, data_axes="x", replicated_warn_bytes=1000).warnings == ()
     # With no data axes at all, every axis is off-data: the replicated leaf is reported.
-    assert [w.path for w in dtensor.explain(double, state, replicated_warn_bytes=1000).warnings] == ["odd"]
+    assert [
+        w.path for w in dtensor.explain(double, state, replicated_warn_bytes=1000).warnings
+    ] == ["odd"]
 
 
 def test_replicated_warns_when_mesh_has_off_data_axes(mesh42):
@@ -274,7 +310,10 @@ def test_unmatched_leaf_warns(mesh8):
     state = jax.tree.map(lambda a, lay: sds(a.shape, lay), params, layouts)
     r = dtensor.explain(lambda s: s, state, rules=rules)
     assert [(w.kind, w.path) for w in r.warnings] == [("unmatched", "dense/bias")]
-    assert [(v.path, v.rule) for v in r.variables] == [("dense/bias", None), ("dense/kernel", "kernel")]
+    assert [(v.path, v.rule) for v in r.variables] == [
+        ("dense/bias", None),
+        ("dense/kernel", "kernel"),
+    ]
     r = dtensor.explain(lambda s: s, state, rules={"dense/bias": "bias", "dense/kernel": "kernel"})
     assert r.warnings == ()
 
@@ -285,10 +324,15 @@ def test_silent_replication_of_outputs_warns(mesh8):
     rep = dtensor.Layout.replicated(mesh8, 2).sharding
     scalar = dtensor.Layout.replicated(mesh8, 0).sharding
     out_shardings = ({"w": rep, "v": sharded.sharding}, scalar)
-    step = jax.jit(lambda s, b: ({k: a * b.sum() for k, a in s.items()}, b.sum()), out_shardings=out_shardings)
+    step = jax.jit(
+        lambda s, b: ({k: a * b.sum() for k, a in s.items()}, b.sum()), out_shardings=out_shardings
+    )
     r = dtensor.explain(step, state, sds((8,), dtensor.Layout(["x"], mesh8)))
     assert [(w.kind, w.path) for w in r.warnings] == [("silent-replication", "output[0]/w")]
-    assert "[x, unsharded]" in r.warnings[0].message and "[unsharded, unsharded]" in r.warnings[0].message
+    assert (
+        "[x, unsharded]" in r.warnings[0].message
+        and "[unsharded, unsharded]" in r.warnings[0].message
+    )
 
 
 # ------------------------------------------------------------ report output
@@ -302,7 +346,15 @@ def test_to_dict_is_stable_json_and_str_has_tables(mesh8):
     assert again.to_json() == r.to_json()
     assert json.loads(once)["comm_bytes_per_device"] == r.comm_bytes_per_device
     text = str(r)
-    for needle in ("Collectives", "Variables", "all-reduce", "w1", "[x, unsharded]", "Warnings", "[unmatched] b1"):
+    for needle in (
+        "Collectives",
+        "Variables",
+        "all-reduce",
+        "w1",
+        "[x, unsharded]",
+        "Warnings",
+        "[unmatched] b1",
+    ):
         assert needle in text
 
 
@@ -328,13 +380,34 @@ def test_replica_group_syntaxes():
     assert parse_replica_groups(None, 2) == [[0, 1]]
     assert parse_replica_groups("[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert parse_replica_groups("[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert parse_replica_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert parse_replica_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1','axis_0'}", 8) == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert parse_replica_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", 8) == [
+        [0, 2, 4, 6],
+        [1, 3, 5, 7],
+    ]
+    assert parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}", 8) == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+    assert parse_replica_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1','axis_0'}", 8) == [
+        [0, 4, 1, 5, 2, 6, 3, 7]
+    ]
     # Sub-axes: the middle 2 of an axis of 8, and its outer and inner 2.
-    assert parse_replica_groups("mesh['axis_0'=8] {'axis_0':(2)2}", 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert parse_replica_groups("mesh['axis_0'=8] {'axis_0':(1)2,'axis_0':(4)2}", 8) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert parse_replica_groups("mesh['a'=4,'b'=2], device_ids=([4,2]<=[2,4]T(1,0)) {'a'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_replica_groups("mesh['axis_0'=8] {'axis_0':(2)2}", 8) == [
+        [0, 2],
+        [1, 3],
+        [4, 6],
+        [5, 7],
+    ]
+    assert parse_replica_groups("mesh['axis_0'=8] {'axis_0':(1)2,'axis_0':(4)2}", 8) == [
+        [0, 1, 4, 5],
+        [2, 3, 6, 7],
+    ]
+    assert parse_replica_groups("mesh['a'=4,'b'=2], device_ids=([4,2]<=[2,4]T(1,0)) {'a'}", 8) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
     assert parse_replica_groups("maximal_mesh[device_id=3]", 8) == [[3]]
 
 
@@ -376,19 +449,24 @@ ENTRY %main (a: f32[8], b: bf16[4,6]) -> f32[8] {
 
 def test_parse_collectives_on_handwritten_hlo():
     cs = parse_collectives(HLO, [("a", 4), ("b", 2)])
-    got = [(c.kind, c.mesh_axes, c.dtype, c.shape, c.group_size, c.bytes_per_device, c.count) for c in cs]
-    assert sorted(got) == sorted([
-        # tuple all-reduce, one entry per operand; iota groups {0,2,4,6},{1,3,5,7} = axis a
-        ("all-reduce", ("a",), "f32", (8,), 4, 2 * 3 / 4 * 32, 1),
-        ("all-reduce", ("a",), "bf16", (4, 6), 4, 2 * 3 / 4 * 48, 1),
-        ("all-reduce", ("a",), "f32", (), 4, 2 * 3 / 4 * 4, 1),
-        # async pair counted once, with the done's shape
-        ("all-gather", ("a", "b"), "f32", (16,), 8, 7 / 8 * 64, 1),
-        ("reduce-scatter", ("a", "b"), "f32", (1,), 8, 7 * 4, 1),
-        ("all-to-all", ("b",), "f32", (8,), 2, 1 / 2 * 32, 1),
-        # in a while body with a known trip count of 5
-        ("collective-permute", ("a",), "f32", (4, 2), 4, 32.0, 5),
-    ])
+    got = [
+        (c.kind, c.mesh_axes, c.dtype, c.shape, c.group_size, c.bytes_per_device, c.count)
+        for c in cs
+    ]
+    assert sorted(got) == sorted(
+        [
+            # tuple all-reduce, one entry per operand; iota groups {0,2,4,6},{1,3,5,7} = axis a
+            ("all-reduce", ("a",), "f32", (8,), 4, 2 * 3 / 4 * 32, 1),
+            ("all-reduce", ("a",), "bf16", (4, 6), 4, 2 * 3 / 4 * 48, 1),
+            ("all-reduce", ("a",), "f32", (), 4, 2 * 3 / 4 * 4, 1),
+            # async pair counted once, with the done's shape
+            ("all-gather", ("a", "b"), "f32", (16,), 8, 7 / 8 * 64, 1),
+            ("reduce-scatter", ("a", "b"), "f32", (1,), 8, 7 * 4, 1),
+            ("all-to-all", ("b",), "f32", (8,), 2, 1 / 2 * 32, 1),
+            # in a while body with a known trip count of 5
+            ("collective-permute", ("a",), "f32", (4, 2), 4, 32.0, 5),
+        ]
+    )
     assert [c.name for c in cs if c.kind == "all-gather"] == ["ags"]
     # Without a mesh, axes are unknown but sizes and bytes are not.
     assert {c.mesh_axes for c in parse_collectives(HLO, None, num_devices=8)} == {()}
@@ -397,7 +475,10 @@ def test_parse_collectives_on_handwritten_hlo():
 def test_byte_helpers():
     assert dtype_bits("bf16") == 16 and dtype_bits("f8e4m3fn") == 8 and dtype_bits("pred") == 8
     assert array_bytes("s4", (3,)) == 2 and array_bytes("f32", ()) == 4
-    assert ring_bytes("all-reduce", 100, 1) == 0.0 and ring_bytes("collective-permute", 100, 1) == 100.0
+    assert (
+        ring_bytes("all-reduce", 100, 1) == 0.0
+        and ring_bytes("collective-permute", 100, 1) == 100.0
+    )
     with pytest.raises(ValueError, match="unknown HLO element type 'q7'"):
         dtype_bits("q7")
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):

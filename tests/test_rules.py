@@ -307,6 +307,31 @@ def test_distribute_nnx_optimizer_state(mesh):
     assert _specs(optimizer.opt_state[0].mu["out"]["kernel"][...]) == ("model", UNSHARDED)
 
 
+def test_distribute_nnx_module_with_rngs_and_batch_stats(mesh):
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.note = "not an array"
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.lin(x)))
+
+    model = Net(nnx.Rngs(0, dropout=1))
+    key_before = jax.random.key_data(model.drop.rngs.key[...])
+    distribute(model, LayoutMap(mesh, [("lin/kernel", (None, "model")), ("bn/mean", ("model",))]))
+    assert _specs(model.lin.kernel[...]) == (UNSHARDED, "model")
+    assert _specs(model.bn.mean[...]) == ("model",)
+    assert fetch_layout(model.bn.var[...]).is_fully_replicated()
+    key = model.drop.rngs.key[...]
+    assert fetch_layout(key).mesh == mesh
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(key)), np.asarray(key_before))
+    assert model.note == "not an array"
+    model.train()
+    assert model(jnp.ones((8, 8))).shape == (8, 8)
+
+
 def test_distribute_linen_logical_boxes(mesh):
     class Net(nn.Module):
         @nn.compact

@@ -25,7 +25,9 @@ from tests.models import (
 
 def _layout_strategy():
     mesh = dtensor.create_mesh([("batch", 4), ("model", 2)])
-    rules = dtensor.LayoutMap(mesh, [("up/kernel", (None, "model")), ("down/kernel", ("model", None))])
+    rules = dtensor.LayoutMap(
+        mesh, [("up/kernel", (None, "model")), ("down/kernel", ("model", None))]
+    )
     return strategies.LayoutStrategy(mesh, rules)
 
 
@@ -35,7 +37,9 @@ PRESETS = {
     "multi_worker_mirrored": lambda: strategies.MultiWorkerMirroredStrategy(),
     "central_storage": lambda: strategies.CentralStorageStrategy(),
     "tpu": lambda: strategies.TPUStrategy(devices=jax.devices()),
-    "parameter_server": lambda: strategies.ParameterServerStrategy(strategies.FixedShardsPartitioner(2)),
+    "parameter_server": lambda: strategies.ParameterServerStrategy(
+        strategies.FixedShardsPartitioner(2)
+    ),
     "fully_sharded": lambda: strategies.FullyShardedStrategy(min_shard_bytes=0),
     "tensor_parallel": lambda: strategies.TensorParallelStrategy(tensor_parallel=2),
     "hybrid": lambda: strategies.HybridStrategy(data=2, fsdp=2, tensor=2, min_shard_bytes=0),
@@ -88,15 +92,32 @@ def test_nnx_step_matches_single_device(preset, model_name):
     # The variables are still in the strategy's layouts after the steps.
     layouts, _ = strategy.variable_layouts(model)
     for (path, var), (_, layout) in zip(
-        jax.tree_util.tree_leaves_with_path(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)),
-        jax.tree_util.tree_leaves_with_path(layouts, is_leaf=lambda v: isinstance(v, dtensor.Layout)),
+        jax.tree_util.tree_leaves_with_path(
+            nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)
+        ),
+        jax.tree_util.tree_leaves_with_path(
+            layouts, is_leaf=lambda v: isinstance(v, dtensor.Layout)
+        ),
         strict=True,
     ):
         value = var.get_value()
-        assert value.sharding.is_equivalent_to(strategy.storage_layout_fn(dtensor.rules.path_str(path), var).layout.sharding, value.ndim)
+        assert value.sharding.is_equivalent_to(
+            strategy.storage_layout_fn(dtensor.rules.path_str(path), var).layout.sharding,
+            value.ndim,
+        )
 
 
-@pytest.mark.parametrize("preset", ["one_device", "mirrored", "fully_sharded", "parameter_server", "tensor_parallel", "central_storage"])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "one_device",
+        "mirrored",
+        "fully_sharded",
+        "parameter_server",
+        "tensor_parallel",
+        "central_storage",
+    ],
+)
 def test_linen_functional_step_matches_single_device(preset):
     tx = optax.adam(1e-2)
     model, step = linen_step(tx)
@@ -120,6 +141,8 @@ def test_linen_functional_step_matches_single_device(preset):
         losses.append(float(loss))
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
     for (path, got), (_, want) in zip(
-        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(ref_params), strict=True
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree_util.tree_leaves_with_path(ref_params),
+        strict=True,
     ):
         assert rel_err(got, want) <= TOL, jax.tree_util.keystr(path)

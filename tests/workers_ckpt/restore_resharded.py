@@ -4,7 +4,9 @@ Usage: restore_resharded.py CKPT_DIR OUT.npz NUM_DEVICES
 
 Restores the latest step onto a ("fsdp", NUM_DEVICES) mesh, each array
 sharded on its first dimension that divides (else replicated), and writes the
-values, plus each array's number of devices and shard shape, to OUT.npz.
+values, plus each array's number of devices and shard shape, to OUT.npz; also
+restores with no target (the saved mesh's devices do not all exist here, so
+arrays come back replicated over all devices) and records "w" that way.
 """
 
 import os
@@ -47,6 +49,10 @@ def main() -> None:
         out[name] = np.asarray(leaf)
         out[name + ":devices"] = np.asarray(len(leaf.sharding.device_set))
         out[name + ":shard"] = np.asarray(leaf.addressable_shards[0].data.shape)
+    plain = dtensor.checkpoint.restore(ckpt_dir)
+    out["plain:w"] = np.asarray(plain["w"])
+    out["plain:w:devices"] = np.asarray(len(plain["w"].sharding.device_set))
+    out["plain:w:replicated"] = np.asarray(plain["w"].sharding.is_fully_replicated)
     np.savez(out_path, **out)
     print("DONE", jax.device_count(), flush=True)
 

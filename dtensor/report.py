@@ -1,0 +1,73 @@
+"""Rich tables for people: the layout of every variable of a model or pytree."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .layout import Layout
+from .rules import is_leaf, path_str
+
+__all__ = ["layouts_table", "render"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "variables") -> Table:
+    """A table of path, shape, dtype, layout, rule and bytes per device for each array leaf.
+
+    ``layouts`` and ``rules`` are as :func:`dtensor.resolve_layouts` returns them.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp
+        >>> mesh = dtensor.create_mesh([("x", 8)])
+        >>> tree = {"w": jnp.zeros((8, 4))}
+        >>> table = dtensor.report.layouts_table(tree, *dtensor.resolve_layouts(tree, dtensor.LayoutMap(mesh, [("w", ("x", None))])))
+        >>> "w" in dtensor.report.render(table)
+        True
+    """
+    from flax import nnx
+
+    if isinstance(tree, nnx.Module | nnx.Optimizer):
+        tree = nnx.state(tree)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)
+    lay = jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout) or v is None)
+    rule_leaves = (
+        jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str)) if rules is not None else [None] * len(lay)
+    )
+    table = Table(title=title)
+    for col in ("path", "shape", "dtype", "layout", "rule", "per device"):
+        table.add_column(col, justify="right" if col == "per device" else "left", overflow="fold")
+    total = 0
+    for (path, leaf), layout, rule in zip(leaves, lay, rule_leaves, strict=False):
+        if layout is None:
+            continue
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        shape = tuple(np.shape(value))
+        per = math.prod(layout.local_shape(shape)) * np.dtype(value.dtype).itemsize
+        total += per
+        specs = ", ".join(s if isinstance(s, str) else "+".join(s) for s in layout.sharding_specs)
+        cells = (path_str(path), str(shape), str(np.dtype(value.dtype)), f"[{specs}]", rule or "-", _human(per))
+        table.add_row(*(Text(c) for c in cells))
+    table.caption = f"{layout.mesh!r}; {_human(total)} per device" if lay else None
+    return table
+
+
+def render(renderable: Any, width: int = 110) -> str:
+    """Render a rich object to plain text."""
+    buf = io.StringIO()
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(renderable)
+    return buf.getvalue()
