@@ -21,7 +21,7 @@ lint: install
 	$(VENV)/bin/pyright
 
 demo: install
-	$(PY) examples/train.py
+	$(PY) examples/train.py $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.run_all
