@@ -2,11 +2,16 @@
 
 from dtensor import ReduceOp as ReduceOp
 
+from . import failure_handling as failure_handling
 from .base import Strategy as Strategy
 from .base import get_replica_context as get_replica_context
 from .base import get_strategy as get_strategy
 from .base import in_cross_replica_context as in_cross_replica_context
 from .central_storage import CentralStorageStrategy as CentralStorageStrategy
+from .coordinator import ClusterCoordinator as ClusterCoordinator
+from .coordinator_values import PerWorkerValues as PerWorkerValues
+from .coordinator_values import RemoteValue as RemoteValue
+from .coordinator_values import WorkerFailure as WorkerFailure
 from .fsdp import FullyShardedStrategy as FullyShardedStrategy
 from .layout_strategy import LayoutStrategy as LayoutStrategy
 from .mirrored import MirroredStrategy as MirroredStrategy
@@ -29,6 +34,7 @@ from .values import ValueContext as ValueContext
 
 __all__ = [
     "CentralStorageStrategy",
+    "ClusterCoordinator",
     "FixedShardsPartitioner",
     "FullyShardedStrategy",
     "HybridStrategy",
@@ -42,13 +48,17 @@ __all__ = [
     "PRESET_NAMES",
     "ParameterServerStrategy",
     "PerReplica",
+    "PerWorkerValues",
     "ReduceOp",
+    "RemoteValue",
     "ReplicaContext",
     "Strategy",
     "TPUStrategy",
     "TensorParallelStrategy",
     "ValueContext",
+    "WorkerFailure",
     "describe_presets",
+    "failure_handling",
     "from_name",
     "get_replica_context",
     "get_strategy",
