@@ -27,6 +27,7 @@ from .mesh import Mesh as Mesh
 from .mesh import MeshError as MeshError
 from .mesh import create_mesh as create_mesh
 from .mesh import current_mesh as current_mesh
+from .partial import PartialArray as PartialArray
 from .reduce_op import ReduceOp as ReduceOp
 from .rules import LayoutMap as LayoutMap
 from .rules import distribute as distribute
@@ -38,6 +39,7 @@ from .runtime import client_id as client_id
 from .runtime import initialize as initialize
 from .runtime import num_clients as num_clients
 from .runtime import shutdown as shutdown
+from .tpu import tpu_topology as tpu_topology
 from .visualize import visualize as visualize
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "LayoutMap",
     "Mesh",
     "MeshError",
+    "PartialArray",
     "ReduceOp",
     "Report",
     "all_gather",
@@ -74,6 +77,7 @@ __all__ = [
     "relayout",
     "resolve_layouts",
     "shutdown",
+    "tpu_topology",
     "unpack",
     "visualize",
 ]

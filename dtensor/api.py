@@ -58,11 +58,10 @@ def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"relayout of {name} needs a dtensor.Layout, got {type(layout).__name__}.")
-    if layout.is_partial:
-        raise LayoutError(
-            f"cannot relayout {name} *to* the partial layout {layout!r}: partial values come "
-            "from computations, not from moving data. Relayout to a non-partial layout."
-        )
+    from .partial import partial_layout_of, relayout_partial
+
+    if layout.is_partial or partial_layout_of(x, layout.mesh) is not None:
+        return relayout_partial(x, layout, name=name)
     layout.check_shape(_shape(x), name)
     if is_traced(x):
         if layout.mesh.axis_types == "explicit":
@@ -115,6 +114,10 @@ def fetch_layout(x: Any) -> Layout:
         >>> dtensor.fetch_layout(y)
         Layout(['x'], mesh=Mesh(x=8))
     """
+    from .partial import PartialArray
+
+    if isinstance(x, PartialArray):
+        return x.layout
     if is_traced(x):
         sharding = getattr(jax.typeof(x), "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -193,6 +196,13 @@ def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.A
         )
     (local,) = shapes
     global_shape = layout.global_shape(local)
+    if layout.is_partial:  # blocks differ along the partial axes (see dtensor.partial)
+        from .partial import assemble, stacked_layout
+
+        n = layout.mesh.axis_size(layout.partial_axes)
+        stacked = [np.expand_dims(np.asarray(s), 0) for s in shards]
+        _check_copies_equal(stacked, devices, stacked_layout(layout), (n, *global_shape), name)
+        return assemble(shards, layout, global_shape)
     _check_copies_equal(shards, devices, layout, global_shape, name)
     arrays = [jax.device_put(s, d) for s, d in zip(shards, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(global_shape, layout.sharding, arrays)
@@ -236,6 +246,10 @@ def unpack(x: jax.Array) -> list[jax.Array]:
         >>> [float(b[0]) for b in dtensor.unpack(x)]
         [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
     """
+    from .partial import blocks_of, partial_layout_of
+
+    if partial_layout_of(x) is not None:
+        return blocks_of(x)
     layout = fetch_layout(x)
     by_device = {s.device: s.data for s in x.addressable_shards}
     return [by_device[d] for d in layout.mesh.local_devices]
@@ -258,6 +272,10 @@ def call_with_layout(
         >>> dtensor.fetch_layout(w) == layout
         True
     """
+    if isinstance(layout, Layout) and layout.is_partial:
+        from .partial import call_per_device
+
+        return call_per_device(fn, layout, args, kwargs)
     flat, argdef = jax.tree.flatten((args, kwargs))
     dyn = [i for i, v in enumerate(flat) if isinstance(v, jax.Array | np.ndarray)]
 

@@ -21,6 +21,12 @@ devices in row-major order. Each group is mapped back to mesh coordinates and
 Asynchronous pairs (``all-gather-start`` / ``all-gather-done``...) count once,
 with the shape of the ``-done``. Collectives inside a ``while`` loop count as
 many times as its ``known_trip_count`` (once when XLA does not know it).
+
+Multi-slice TPU programs (given ``slices=``, each device's slice index) are
+compiled per slice: replica groups use slice-local ids, and what crosses
+slices is a megascale host transfer (a ``send`` whose
+``_xla_megascale_transfer_type`` is ``ALL_REDUCE``, ``ALL_GATHER``...). Those
+are read as collectives with ``network="dcn"``; the others get ``"ici"``.
 """
 
 from __future__ import annotations
@@ -111,6 +117,9 @@ class Collective:
             see :func:`ring_bytes`).
         count: executions per call of the program (loop trip counts).
         name: the HLO instruction's name.
+        network: ``"ici"`` (within a TPU slice), ``"dcn"`` (across slices),
+            or ``""`` when unknown (``slices=`` not given). For a DCN
+            transfer ``shape`` is what each device sends.
     """
 
     kind: str
@@ -121,6 +130,7 @@ class Collective:
     bytes_per_device: float
     count: int = 1
     name: str = ""
+    network: str = ""
 
     @property
     def total_bytes_per_device(self) -> float:
@@ -394,7 +404,11 @@ def _multipliers(comps: dict[str, list[_Instr]], entry: str | None) -> dict[str,
 
 
 def parse_collectives(
-    text: str, mesh_shape: Sequence[tuple[str, int]] | None = None, num_devices: int | None = None
+    text: str,
+    mesh_shape: Sequence[tuple[str, int]] | None = None,
+    num_devices: int | None = None,
+    *,
+    slices: Sequence[int] | None = None,
 ) -> list[Collective]:
     """Every collective operand in optimised HLO text, in program order.
 
@@ -405,12 +419,18 @@ def parse_collectives(
             ``mesh_axes`` empty.
         num_devices: devices in the program (default: the mesh's size), for
             replica groups written ``{}`` (all devices).
+        slices: the TPU slice index of each device, in mesh order; given, each
+            collective gets its ``network`` and a multi-slice program's
+            slice-local ids are mapped to the mesh.
 
     Returns:
         One :class:`Collective` per operand of each collective.
     """
     if num_devices is None:
         num_devices = math.prod(s for _, s in mesh_shape) if mesh_shape else 1
+    net = _Network.make(slices, num_devices)
+    if net is not None and net.local is not None:
+        num_devices = len(net.local)
     comps, entry = _computations(text)
     mults = _multipliers(comps, entry)
     starts: dict[str, tuple[str, _Instr, str]] = {}
@@ -425,12 +445,19 @@ def parse_collectives(
                 if m and m.group(1) in starts:
                     kind, start, _ = starts.pop(m.group(1))
                     out.extend(
-                        _collective(kind, start, ins.shape, mults[comp], mesh_shape, num_devices)
+                        _collective(
+                            kind, start, ins.shape, mults[comp], mesh_shape, num_devices, net
+                        )
                     )
+                continue
+            if ins.opcode == "send" and net is not None and _MEGASCALE in ins.rest:
+                out.extend(_dcn_transfer(ins, mults[comp], mesh_shape, net))
                 continue
             if ins.opcode in KINDS:
                 out.extend(
-                    _collective(ins.opcode, ins, ins.shape, mults[comp], mesh_shape, num_devices)
+                    _collective(
+                        ins.opcode, ins, ins.shape, mults[comp], mesh_shape, num_devices, net
+                    )
                 )
     for kind, start, comp in starts.values():  # a start without its done: use its own shape
         shapes = parse_shapes(start.shape)
@@ -438,12 +465,18 @@ def parse_collectives(
             kind, shapes
         )
         fake = "(" + ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in half) + ")"
-        out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices))
+        out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices, net))
     return out
 
 
 def _collective(
-    kind: str, ins: _Instr, shape: str, count: int, mesh_shape: Any, num_devices: int
+    kind: str,
+    ins: _Instr,
+    shape: str,
+    count: int,
+    mesh_shape: Any,
+    num_devices: int,
+    net: _Network | None = None,
 ) -> list[Collective]:
     if kind == "collective-permute":
         pairs = [
@@ -452,13 +485,19 @@ def _collective(
                 r"\{(\d+\s*,\s*\d+)\}", _attr(ins.rest, "source_target_pairs") or ""
             )
         ]
+        if net is not None:
+            pairs = net.to_mesh(pairs)
         axes = groups_to_axes([list(p) for p in pairs], mesh_shape)
         sizes = dict(mesh_shape or ())
         n = math.prod(sizes[a] for a in axes) if axes else 1
+        network = net.network(pairs) if net is not None else ""
     else:
         groups = parse_replica_groups(_attr(ins.rest, "replica_groups"), num_devices)
+        if net is not None:
+            groups = net.to_mesh(groups)
         axes = groups_to_axes(groups, mesh_shape)
         n = len(groups[0]) if groups else num_devices
+        network = net.network(groups) if net is not None else ""
     return [
         Collective(
             kind=kind,
@@ -469,7 +508,109 @@ def _collective(
             bytes_per_device=ring_bytes(kind, array_bytes(dtype, dims), n),
             count=count,
             name=ins.name,
+            network=network,
         )
         for dtype, dims in parse_shapes(shape)
         if dtype != "token"
     ]
+
+
+# ------------------------------------------------------------- ICI and DCN
+_MEGASCALE = "_xla_megascale_transfer_type"
+_DCN_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+    "ONE_TO_ONE": "collective-permute",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Network:
+    """Slices of the mesh's devices: which network a group crosses, and id mapping."""
+
+    slices: tuple[int, ...]  # slice index per mesh position
+    local: tuple[int, ...] | None  # mesh positions of one slice (multi-slice programs)
+
+    @classmethod
+    def make(cls, slices: Sequence[int] | None, num_devices: int) -> _Network | None:
+        if slices is None:
+            return None
+        slices = tuple(int(s) for s in slices)
+        if len(slices) != num_devices:
+            raise ValueError(
+                f"slices= has {len(slices)} entries but the program has {num_devices} devices; "
+                "give one slice index per device of the mesh, in mesh order."
+            )
+        multi = len(set(slices)) > 1
+        local = tuple(p for p, s in enumerate(slices) if s == slices[0]) if multi else None
+        return cls(slices, local)
+
+    def to_mesh(self, groups: list[list[int]]) -> list[list[int]]:
+        """Slice-local ids (a multi-slice program) as mesh positions."""
+        if self.local is None or any(i >= len(self.local) for g in groups for i in g):
+            return groups
+        return [[self.local[i] for i in g] for g in groups]
+
+    def network(self, groups: list[list[int]]) -> str:
+        n = len(self.slices)
+        spans = any(len({self.slices[i] for i in g if 0 <= i < n}) > 1 for g in groups)
+        return "dcn" if spans else "ici"
+
+    def slice_heads(self) -> list[int]:
+        """The first mesh position of each slice, by slice index."""
+        heads: dict[int, int] = {}
+        for p, s in enumerate(self.slices):
+            heads.setdefault(s, p)
+        return [heads[s] for s in sorted(heads)]
+
+
+def _dcn_transfer(
+    ins: _Instr, count: int, mesh_shape: Any, net: _Network
+) -> list[Collective]:
+    """A megascale ``send``: one collective across slices, of what each device sends."""
+    m = re.search(rf'{_MEGASCALE}="([A-Z_]+)"', ins.rest)
+    kind = _DCN_KINDS.get(m.group(1) if m else "", "collective-permute")
+    heads = net.slice_heads()
+    target = re.search(r'_xla_megascale_target="\{([0-9,:\s]*)\}', ins.rest)
+    members = _slice_set(target.group(1), len(heads)) if target else None
+    group = [heads[s] for s in members] if members else heads
+    axes = groups_to_axes([group], mesh_shape)
+    n = len(group)
+    shapes = [(t, d) for t, d in parse_shapes(ins.shape) if t not in ("token", "u32")][:1]
+    out = []
+    for dtype, dims in shapes:
+        sent = array_bytes(dtype, dims)
+        # ``sent`` is the whole buffer for all-reduce, reduce-scatter and all-to-all,
+        # and this device's part for all-gather (whose result is n times larger).
+        result = {"all-gather": sent * n, "reduce-scatter": sent / max(n, 1)}.get(kind, sent)
+        out.append(
+            Collective(
+                kind=kind,
+                mesh_axes=axes,
+                dtype=dtype,
+                shape=dims,
+                group_size=n,
+                bytes_per_device=ring_bytes(kind, result, n) if n > 1 else 0.0,
+                count=count,
+                name=ins.name,
+                network="dcn",
+            )
+        )
+    return out
+
+
+def _slice_set(text: str, num_slices: int) -> list[int] | None:
+    """``1,2`` or ``1:4`` (1-based slice numbers) as 0-based indices; ``None`` if odd."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition(":")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return None
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    idx = [i - 1 for i in out]
+    return idx if idx and all(0 <= i < num_slices for i in idx) else None

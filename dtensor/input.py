@@ -146,14 +146,16 @@ class DTensorDataset:
         rows = _rows(batch)
         procs = jax.process_count() if self.process_local else 1
         global_rows = rows * procs
-        if self.global_batch_size is not None and global_rows != self.global_batch_size:
+        # With pad, a short (last) batch is padded up to the full global batch: one shape, one compile.
+        short = self.pad and self.global_batch_size is not None and global_rows < self.global_batch_size
+        if self.global_batch_size is not None and global_rows != self.global_batch_size and not short:
             what = f"{rows} rows per process x {procs} processes" if self.process_local else f"{rows} rows"
             raise LayoutError(
                 f"a batch has {what} but global_batch_size is {self.global_batch_size}. Make every "
                 "element hold the global batch (or, with process_local=True, its share)."
             )
-        weights = None
-        if global_rows % self.num_shards:
+        target = self.global_batch_size if short else global_rows
+        if target % self.num_shards:
             if not self.pad:
                 raise LayoutError(
                     f"the global batch of {global_rows} rows does not divide over the "
@@ -161,7 +163,10 @@ class DTensorDataset:
                     f"Use a global batch that is a multiple of {self.num_shards}, or pass pad=True "
                     "to pad it and get per-row weights."
                 )
-            batch, weights = pad_batch(batch, self.num_shards // procs if self.process_local else self.num_shards)
+            target = -(-target // self.num_shards) * self.num_shards
+        weights = None
+        if self.pad:  # every element a (batch, weights) pair, padded or not
+            batch, weights = pad_batch(batch, target // procs)
         layouts = self._layout_tree(batch)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
         lay = jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))
@@ -216,7 +221,7 @@ class _ArrayBatches:
     def __iter__(self) -> Iterator[Any]:
         for i in range(self.n):
             sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-            yield jax.tree.map(lambda a: a[sl], self.arrays)
+            yield jax.tree.map(lambda a, sl=sl: a[sl], self.arrays)
 
 
 class _Prefetcher:

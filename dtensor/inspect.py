@@ -93,6 +93,12 @@ class Report:
     ``state_bytes_per_device`` is what the variables occupy in their layouts;
     ``ideal_state_bytes_per_device`` what they would occupy split evenly over
     all devices of the mesh.
+
+    On TPU meshes ``ici_bytes_per_device`` / ``dcn_bytes_per_device`` split
+    the communication between the network inside a slice and the one between
+    slices (``None`` elsewhere), and ``memory_fit`` holds the per-chip memory
+    against the chip's HBM (a :class:`dtensor.tpu.MemoryFit`, ``None`` when the
+    chip is not known).
     """
 
     collectives: tuple[Collective, ...]
@@ -109,6 +115,9 @@ class Report:
     mesh: str
     data_axes: tuple[str, ...]
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+    ici_bytes_per_device: float | None = None
+    dcn_bytes_per_device: float | None = None
+    memory_fit: Any = None
 
     @property
     def comm_ratio(self) -> float:
@@ -133,6 +142,7 @@ class Report:
             collectives=[c.to_dict() for c in self.collectives],
             comm_ratio=None if math.isinf(ratio) else ratio,
             data_axes=list(self.data_axes),
+            memory_fit=None if self.memory_fit is None else self.memory_fit.to_dict(),
             variables=[v.to_dict() for v in self.variables],
             warnings=[w.to_dict() for w in self.warnings],
         )
@@ -319,10 +329,19 @@ def explain(
         variables = args[0]
     var_arg = next((i for i, a in enumerate(args) if a is variables), None)
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower  # type: ignore[attr-defined]
-    compiled = lower(*args, **kwargs).compile()
+    try:
+        compiled = lower(*args, **kwargs).compile()
+    except Exception as err:  # the TPU compiler refuses programs larger than HBM
+        from .tpu import out_of_memory
+
+        oom = out_of_memory(err)
+        if oom is None:
+            raise
+        raise oom from None
     mesh = _program_mesh(compiled)
     mesh_shape = list(mesh.shape.items()) if mesh is not None else None
-    collectives = tuple(parse_collectives(compiled.as_text() or "", mesh_shape))
+    slices = _slices(mesh)
+    collectives = tuple(parse_collectives(compiled.as_text() or "", mesh_shape, slices=slices))
     in_shardings = compiled.input_shardings[0]
     findings, batch_axes = _check_args(args, in_shardings, var_arg)
     data = _data_axes(data_axes, batch_axes, mesh)
@@ -358,7 +377,31 @@ def explain(
         mesh=repr(mesh) if mesh is not None else "",
         data_axes=data,
         compiled=compiled,
+        ici_bytes_per_device=_network_bytes(collectives, "ici", slices),
+        dcn_bytes_per_device=_network_bytes(collectives, "dcn", slices),
+        memory_fit=_memory_fit(mem, mesh),
     )
+
+
+def _slices(mesh: Mesh | None) -> list[int] | None:
+    """Each device's TPU slice, in mesh order (``None`` off TPU: no ICI/DCN split)."""
+    if mesh is None or mesh.platform != "tpu":
+        return None
+    return [int(getattr(d, "slice_index", 0)) for d in mesh.device_list]
+
+
+def _network_bytes(collectives: Sequence[Collective], network: str, slices: Any) -> float | None:
+    if slices is None:
+        return None
+    return float(sum(c.total_bytes_per_device for c in collectives if c.network == network))
+
+
+def _memory_fit(mem: Any, mesh: Mesh | None) -> Any:
+    if mem is None or mesh is None or mesh.platform != "tpu":
+        return None
+    from .tpu import memory_fit
+
+    return memory_fit(mem, mesh.device_list)
 
 
 def _check_args(
@@ -519,8 +562,11 @@ def _render(report: Report) -> str:
         ("temporaries", report.temp_bytes_per_device),
         ("aliased", report.alias_bytes_per_device),
     ]
+    nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
+    nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
     rows = [
         ("communication", _human(report.comm_bytes_per_device)),
+        *((k, _human(v)) for k, v in nets if v is not None),
         ("minimum for these layouts", _human(report.min_comm_bytes_per_device)),
         ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
         ("state (variables)", _human(report.state_bytes_per_device)),
@@ -531,6 +577,8 @@ def _render(report: Report) -> str:
     for k, v in rows:
         summary.add_row(k, v)
     console.print(summary)
+    if report.memory_fit is not None:
+        console.print(str(report.memory_fit), markup=False, highlight=False)
 
     coll = Table(title="Collectives")
     for name in ("kind", "mesh axes", "dtype", "shape", "group", "runs", "ops", "bytes/device"):
@@ -539,11 +587,11 @@ def _render(report: Report) -> str:
         )
     merged: dict[tuple[Any, ...], list[float]] = {}
     for c in report.collectives:
-        key = (c.kind, c.mesh_axes, c.dtype, c.shape, c.group_size, c.count)
+        key = (c.kind, c.network, c.mesh_axes, c.dtype, c.shape, c.group_size, c.count)
         merged.setdefault(key, []).append(c.total_bytes_per_device)
-    for (kind, axes, dtype, shape, n, count), b in merged.items():
+    for (kind, network, axes, dtype, shape, n, count), b in merged.items():
         cells = (
-            kind,
+            f"{kind} ({network})" if network else kind,
             ",".join(axes) or "-",
             dtype,
             str(list(shape)),

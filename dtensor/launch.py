@@ -294,6 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("no command given; write it after '--', e.g. -- python train.py")
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds launch(), which stops the processes
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         result = launch(
             cmd,

@@ -254,7 +254,7 @@ class Layout:
                     "this NamedSharding is over an abstract mesh (inside a trace); fetch the "
                     "layout of a concrete array, or pass the Layout you gave."
                 )
-            spec = tuple(sharding.spec)
+            spec = tuple(getattr(sharding.spec, "partitions", sharding.spec))  # unreduced-safe
             if rank is not None:
                 if len(spec) > rank:
                     raise LayoutError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -362,16 +363,23 @@ class _Watchdog:
         start = time.monotonic()
         seen: dict[int, tuple[str | None, float]] = {i: (None, start) for i in range(self.n)}
         beat = 0
+        failing_since: float | None = None
         while not self.stop.is_set():
             beat += 1
             try:
                 self.client.key_value_set(f"{_ALIVE}{self.me}", str(beat), allow_overwrite=True)
                 entries = self.client.key_value_dir_get(_ALIVE)
-            except Exception as e:
+                failing_since = None
+            except Exception as e:  # the store is process 0's: it may be gone
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
                 if self.stop.is_set():
                     return
-                _die(self._lost_message([0] if self.me != 0 else [], str(e)))
-                return
+                if now - failing_since >= 3 * self.period:  # not a one-off RPC hiccup
+                    _die(self._lost_message([0] if self.me != 0 else [], str(e)))
+                    return
+                self.stop.wait(self.period)
+                continue
             now = time.monotonic()
             for key, value in entries:
                 with contextlib.suppress(ValueError):
@@ -479,6 +487,7 @@ def initialize(
     local_device_count: int | None = None,
     timeout_s: float = 60,
     heartbeat_timeout_s: float = 20,
+    shutdown_timeout_s: float = 120,
     summary: bool = True,
 ) -> ClusterSpec | None:
     """Join this process to a multi-process job (a no-op for a single process).
@@ -501,6 +510,11 @@ def initialize(
             join before failing.
         heartbeat_timeout_s: how long a silent process may go before the
             others declare it lost and exit with :data:`EXIT_PEER_LOST`.
+        shutdown_timeout_s: how long a finished process waits at exit for
+            the others to finish too (JAX's shutdown barrier). A process that
+            ends with a non-zero ``sys.exit`` while the others wait for it in
+            a collective fails the job only after this long; uncaught
+            exceptions do not wait.
         summary: print the cluster table on process 0.
 
     Returns:
@@ -508,9 +522,11 @@ def initialize(
 
     Raises:
         ClusterConfigError: a malformed cluster description.
-        DistributedRuntimeError: called after JAX started its backends, or
-            the coordinator could not be reached / the processes did not all
-            join within ``timeout_s``.
+        DistributedRuntimeError: called after JAX started its backends, the
+            coordinator cannot be reached within ``timeout_s`` or its port is
+            taken. (When not every process joins within ``timeout_s``, the
+            waiting ones print who they waited for and exit with
+            :data:`EXIT_PEER_LOST`: JAX cannot be interrupted there.)
 
     Examples:
         >>> import dtensor
@@ -551,7 +567,12 @@ def initialize(
                 "first thing in the program, before any other JAX call."
             )
         _configure_cpu(local_device_count)
-        spec = _connect(spec, timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        spec = _connect(
+            spec,
+            timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
         _state.initialized, _state.spec = True, spec
         _state.previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
@@ -592,12 +613,36 @@ def _wait_for_coordinator(spec: ClusterSpec, deadline: float) -> None:
     )
 
 
-def _connect(spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float) -> ClusterSpec:
+def _check_port_free(spec: ClusterSpec) -> None:
+    """Process 0: the coordinator's port must be free (JAX can crash when it is not)."""
+    assert spec.coordinator_address is not None
+    _, port = _split_address(spec.coordinator_address)
+    family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # e.g. no IPv6 here: let JAX try
+        raise DistributedRuntimeError(
+            f"dtensor.initialize(): process 0 cannot start the coordinator at "
+            f"{spec.coordinator_address} (from {spec.source}): port {port} is already in use "
+            f"on this host ({e.strerror}). Choose a free port (python -m dtensor.launch picks "
+            "one by default), or stop the process holding it."
+        ) from None
+
+
+def _connect(
+    spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
+) -> ClusterSpec:
     from jax._src import distributed
 
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
         _wait_for_coordinator(spec, deadline)
+    elif spec.coordinator_address is not None:
+        _check_port_free(spec)
     joined = threading.Event()
 
     def join_timeout() -> None:
@@ -619,7 +664,7 @@ def _connect(spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float)
             spec.process_id,
             initialization_timeout=int(timeout_s) + 10,
             heartbeat_timeout_seconds=int(heartbeat_timeout_s) + 10,
-            shutdown_timeout_seconds=int(timeout_s),
+            shutdown_timeout_seconds=int(shutdown_timeout_s),
         )
     except Exception as e:
         joined.set()

@@ -150,6 +150,35 @@ def train_step(model, optimizer, batch):
     return loss
 
 
+def aot_step(argv: list[str], *, devices):
+    """For ``python -m dtensor.aot``: this script's strategy over ``devices``, its train
+    step, and the step's arguments, abstract (nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import strategies
+
+    args = parse_args(argv)
+    strategy = strategies.from_name(args.strategy, devices=devices)
+    if args.batch_size % strategy.num_replicas_in_sync:
+        raise ValueError(
+            f"--batch-size {args.batch_size} does not divide over the {strategy.num_replicas_in_sync} "
+            f"replicas of {args.strategy} on {len(devices)} devices; pass a multiple of it."
+        )
+    dim, layers, heads, mlp, seq = SIZES[args.model_size]
+    CharLM = make_model_cls()
+
+    def build():
+        model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
+        return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    batch = {k: jax.ShapeDtypeStruct((args.batch_size, seq), jnp.int32) for k in ("x", "y")}
+    return strategy, train_step, (model, optimizer, batch)
+
+
 # ---------------------------------------------------------------------- views
 def explain_summary(report):
     from rich.table import Table
@@ -239,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
 
     dtensor.initialize()  # a no-op for one process; wires up dtensor.launch'ed ones
 
-    import numpy as np
     import optax
     from flax import nnx
     from rich.console import Console
     from rich.panel import Panel
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.text import Text
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     import strategies
     from strategies.failure_handling import PreemptionCheckpointHandler, TerminationConfig

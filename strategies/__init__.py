@@ -12,6 +12,14 @@ from .coordinator import ClusterCoordinator as ClusterCoordinator
 from .coordinator_values import PerWorkerValues as PerWorkerValues
 from .coordinator_values import RemoteValue as RemoteValue
 from .coordinator_values import WorkerFailure as WorkerFailure
+from .cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
+from .cross_device_ops import CommunicationImplementation as CommunicationImplementation
+from .cross_device_ops import CommunicationOptions as CommunicationOptions
+from .cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from .cross_device_ops import CrossDeviceOpsError as CrossDeviceOpsError
+from .cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from .cross_device_ops import NcclAllReduce as NcclAllReduce
+from .cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from .fsdp import FullyShardedStrategy as FullyShardedStrategy
 from .layout_strategy import LayoutStrategy as LayoutStrategy
 from .mirrored import MirroredStrategy as MirroredStrategy
@@ -33,10 +41,16 @@ from .values import ReplicaContext as ReplicaContext
 from .values import ValueContext as ValueContext
 
 __all__ = [
+    "AllReduceCrossDeviceOps",
     "CentralStorageStrategy",
     "ClusterCoordinator",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "CrossDeviceOpsError",
     "FixedShardsPartitioner",
     "FullyShardedStrategy",
+    "HierarchicalCopyAllReduce",
     "HybridStrategy",
     "InputContext",
     "LayoutStrategy",
@@ -44,12 +58,14 @@ __all__ = [
     "MinSizePartitioner",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "NcclAllReduce",
     "OneDeviceStrategy",
     "PRESET_NAMES",
     "ParameterServerStrategy",
     "PerReplica",
     "PerWorkerValues",
     "ReduceOp",
+    "ReductionToOneDevice",
     "RemoteValue",
     "ReplicaContext",
     "Strategy",

@@ -94,6 +94,7 @@ class Strategy:
 
     name: str = "strategy"
     shards_variables: bool = False  # whether the preset means to split variables (explain warns otherwise)
+    gradient_reduction: Any = None  # explicit cross-device ops (None: XLA's all-reduce of the global step)
 
     def __init__(
         self,
@@ -234,6 +235,10 @@ class Strategy:
                 made = factory()
                 return nnx.split(made)[1] if is_nnx else made
 
+        # Compile under the mesh the variables are stored on (CentralStorage keeps
+        # them off the compute mesh; jit rejects a context mesh that differs).
+        meshes = {lay.mesh for lay in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))}
+        with meshes.pop() if len(meshes) == 1 else self.mesh, nnx.use_eager_sharding(False):
             state = jax.jit(init, out_shardings=shardings)()
         return nnx.merge(graphdef, state) if is_nnx else state
 
@@ -269,7 +274,8 @@ class Strategy:
         kwargs = kwargs or {}
         prepared = self._prepare(fn, args, kwargs, per_replica=per_replica)
         compiled, state, leaves, nodes = prepared
-        new_state, out = compiled(state, leaves)
+        with self.mesh:  # traced under the strategy's mesh, in scope() or not
+            new_state, out = compiled(state, leaves)
         if nodes:
             nnx.update(tuple(nodes), self._to_storage(new_state))
         if per_replica:
@@ -309,11 +315,12 @@ class Strategy:
             state = self._place_state(state, state_layouts)
         kinds: list[Any] = []
         arrays: list[Any] = []
-        for i, v in enumerate(flat):
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_node)[0]]
+        for path, v in zip(paths, flat, strict=True):
             if _is_node(v):
                 kinds.append(_NODE)
             elif _is_array(v):
-                placed = self._place_input(v, i)
+                placed = self._place_input(v, _arg_name(path))
                 arrays.append(placed)
                 kinds.append(_ARRAY)
             else:
@@ -349,7 +356,7 @@ class Strategy:
 
         return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
 
-    def _place_input(self, v: Any, index: int) -> Any:
+    def _place_input(self, v: Any, name: str) -> Any:
         if isinstance(v, jax.Array):
             mesh = dtensor.api.mesh_of(v)
             if mesh is not None and mesh != self.mesh:
@@ -357,7 +364,7 @@ class Strategy:
                 if adopted is not None:
                     return adopted
                 raise LayoutError(
-                    f"argument leaf {index} of run() is laid out on {mesh!r}, but {self!r} runs on "
+                    f"argument {name} of run() is laid out on {mesh!r}, but {self!r} runs on "
                     f"{self.mesh!r}. Move it with dtensor.relayout(x, strategy.batch_layout(x.ndim)) "
                     "or pass host (numpy) data and let the strategy place it."
                 )
@@ -366,7 +373,7 @@ class Strategy:
         layout = self.batch_layout(np.ndim(v))
         if np.ndim(v) and np.shape(v)[0] % max(layout.num_shards(0), 1):
             raise LayoutError(
-                f"the global batch (argument leaf {index}, shape {np.shape(v)}) has {np.shape(v)[0]} "
+                f"the global batch (argument {name}, shape {np.shape(v)}) has {np.shape(v)[0]} "
                 f"rows, which does not divide over the {self.num_replicas_in_sync} replicas of "
                 f"{self!r}. Use a global batch that is a multiple of {self.num_replicas_in_sync}, or "
                 "distribute the dataset with pad=True."
@@ -388,6 +395,9 @@ class Strategy:
         per_replica: bool,
     ) -> Callable[[Any, list[Any]], Any]:
         strategy = self
+        reduction = None if per_replica else self.gradient_reduction
+        if reduction is not None:  # explicit cross-device ops (strategies.cross_device_ops)
+            fn = reduction.wrap_step(fn)
 
         def call(state: Any, arrays: list[Any]) -> Any:
             nodes = iter(nnx.merge(graphdef, state) if graphdef is not None else ())
@@ -398,16 +408,32 @@ class Strategy:
             new_state = nnx.state(tuple(v for v, k in zip(flat, kinds, strict=True) if k is _NODE)) if graphdef is not None else None
             return new_state, out
 
+        if reduction is not None:
+            return reduction.compile_step(self, call, arrays, has_state=graphdef is not None)
         if not per_replica:
+            shardings = [getattr(a, "sharding", None) for a in arrays]
 
             def pure(state: Any, arrays: list[Any]) -> Any:
-                new_state, out = call(state, arrays)
+                new_state, out = strategy._trace_step(call, state, arrays, state_layouts, shardings)
                 if new_state is not None:
                     new_state = strategy._constrain(new_state, state_layouts)
                 return new_state, out
 
             return jax.jit(pure, donate_argnums=(0,) if graphdef is not None else ())
         return self._per_replica(call, state_layouts, arrays, graphdef is not None)
+
+    def _trace_step(
+        self, call: Callable[[Any, list[Any]], Any], state: Any, arrays: list[Any], layouts: Any, shardings: list[Any]
+    ) -> Any:
+        """Trace one global-mode step: ``call(state, arrays) -> (new_state, out)``.
+
+        ``layouts`` are the variables' (``None`` without NNX nodes), ``shardings``
+        the array arguments' input shardings.
+
+        A hook for presets that must shape the compiled step beyond layouts
+        (FullyShardedStrategy gathers parameters at each read).
+        """
+        return call(state, arrays)
 
     def _constrain(self, state: Any, layouts: Any) -> Any:
         def constrain(var: Any, layout: Layout | None) -> Any:
@@ -451,13 +477,16 @@ class Strategy:
         def pure(state: Any, leaves: list[Any]) -> Any:
             state_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
             out_specs = (state_specs, batch_spec)  # a prefix: every output is per-replica
-            return jax.shard_map(
+            new_state, out = jax.shard_map(
                 body,
                 mesh=strategy.mesh.jax_mesh,
                 in_specs=(state_specs, leaf_specs),
                 out_specs=out_specs,
                 check_vma=False,
             )(state, leaves)
+            if has_state:  # back to the variables' own layouts (e.g. split on `tensor`)
+                new_state = strategy._constrain(new_state, state_layouts)
+            return new_state, out
 
         return jax.jit(pure, donate_argnums=(0,) if has_state else ())
 
@@ -593,9 +622,14 @@ class Strategy:
     ) -> dtensor.DTensorDataset:
         """``dataset_fn(InputContext)`` gives this process's share; shares are stitched into global arrays."""
         ctx = self.input_context()
+        source = dataset_fn(ctx)
+        global_batch_size = ctx._global_batch_sizes[-1] if ctx._global_batch_sizes else None
+        if global_batch_size is not None:  # the function told us the global batch: check its shares
+            source = _CheckedShares(source, ctx, global_batch_size, pad=pad)
         return dtensor.DTensorDataset(
-            dataset_fn(ctx),
+            source,
             self.mesh,
+            global_batch_size=global_batch_size,
             batch_dim=self._batch_dim,
             process_local=True,
             prefetch=prefetch,
@@ -631,6 +665,12 @@ class Strategy:
 
 
 # ------------------------------------------------------------------- helpers
+def _arg_name(path: Any) -> str:
+    """A ``run`` argument's pytree path as the user wrote it: ``args[2]['x']``, ``kwargs['batch']``."""
+    head, *rest = path
+    return ("args" if head.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+
+
 def _value(leaf: Any) -> Any:
     if isinstance(leaf, nnx.Variable):
         return leaf.get_value()
@@ -649,6 +689,34 @@ def _var_or_layout(x: Any) -> bool:
 
 def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding)
+
+
+class _CheckedShares:
+    """An input function's batches, each checked to hold this pipeline's share of the global batch."""
+
+    def __init__(self, source: Iterable[Any], ctx: InputContext, global_batch_size: int, *, pad: bool) -> None:
+        self.source = source
+        self.ctx = ctx
+        self.global_batch_size = global_batch_size
+        self.pad = pad
+
+    def __len__(self) -> int:
+        return len(self.source)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        ctx, n = self.ctx, self.global_batch_size
+        share = n // ctx.num_input_pipelines
+        for i, batch in enumerate(self.source):
+            rows = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x) > 0}
+            if rows and (rows != {share} if not self.pad else max(rows) > share):
+                raise LayoutError(
+                    f"the dataset function's batch {i} has {sorted(rows)[-1]} rows, but this input "
+                    f"pipeline's share of the global batch {n} is {share} rows ({n} / "
+                    f"{ctx.num_input_pipelines} input pipelines). distribute_datasets_from_function "
+                    "wants each pipeline's share, not one replica's: batch by "
+                    f"ctx.get_per_pipeline_batch_size({n})" + (" (or pass pad=True for a short last batch)." if not self.pad else ".")
+                )
+            yield batch
 
 
 _NODE = "node"

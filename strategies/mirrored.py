@@ -9,28 +9,50 @@ import jax
 
 import dtensor
 
+from . import cross_device_ops as cdo
 from .base import Strategy
 
 
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism on one host: replicated variables, batch split on ``replica``.
 
-    Gradients are all-reduced by XLA (one combined all-reduce per step).
+    By default XLA all-reduces the gradients (one combined all-reduce per
+    step). ``cross_device_ops`` picks an explicit reduction instead (see
+    :mod:`strategies.cross_device_ops`); ``HierarchicalCopyAllReduce`` lays the
+    devices out as ``("group", "replica")``, ``num_groups`` (default 2) groups
+    in device order.
 
     Examples:
         >>> import strategies
         >>> s = strategies.MirroredStrategy()
         >>> s.mesh, s.num_replicas_in_sync
         (Mesh(replica=8), 8)
+        >>> strategies.MirroredStrategy(cross_device_ops=strategies.HierarchicalCopyAllReduce()).mesh
+        Mesh(group=2, replica=4)
     """
 
     name = "mirrored"
 
-    def __init__(self, devices: Sequence[Any] | None = None, *, cross_device_ops: Any = None) -> None:
-        if cross_device_ops is not None:
-            raise ValueError(
-                f"MirroredStrategy(cross_device_ops={cross_device_ops!r}) is not supported yet; XLA "
-                "emits one all-reduce per step. Leave cross_device_ops=None."
-            )
+    def __init__(
+        self, devices: Sequence[Any] | None = None, *, cross_device_ops: Any = None
+    ) -> None:
         devices = list(devices) if devices is not None else jax.local_devices()
-        super().__init__(dtensor.create_mesh([("replica", len(devices))], devices=devices), batch_axes=("replica",))
+        if isinstance(cross_device_ops, cdo.HierarchicalCopyAllReduce):
+            groups = cross_device_ops.num_groups or 2
+            if len(devices) % groups or len(devices) == groups:
+                raise cdo.CrossDeviceOpsError(
+                    f"MirroredStrategy with {cross_device_ops!r} splits its {len(devices)} devices "
+                    f"into {groups} groups, which needs a multiple of {groups} and more than one "
+                    "device per group. Give num_groups= dividing the devices, or another "
+                    "cross_device_ops."
+                )
+            dims = [("group", groups), ("replica", len(devices) // groups)]
+            mesh = dtensor.create_mesh(dims, devices=devices)
+            super().__init__(mesh, batch_axes=("group", "replica"))
+        else:
+            mesh = dtensor.create_mesh([("replica", len(devices))], devices=devices)
+            super().__init__(mesh, batch_axes=("replica",))
+        self.gradient_reduction = cdo.resolve(
+            cross_device_ops, self.mesh, self.batch_axes, what="MirroredStrategy"
+        )
+        self.cross_device_ops = cross_device_ops

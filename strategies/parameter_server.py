@@ -74,5 +74,48 @@ class ParameterServerStrategy(Strategy):
                 specs[0] = "ps"
         return Layout(specs, self.mesh)
 
+    # ------------------------------------------------ groups for ClusterCoordinator
+    def parameter_mesh(self) -> dtensor.Mesh:
+        """The ``("ps",)`` mesh over the first ``num_ps`` devices: where the asynchronous
+        mode (:class:`ClusterCoordinator`) keeps the variables.
+
+        Examples:
+            >>> import strategies
+            >>> strategies.ParameterServerStrategy(num_ps=2).parameter_mesh()
+            Mesh(ps=2)
+        """
+        return dtensor.create_mesh([("ps", self.num_ps)], devices=self.mesh.device_list[: self.num_ps])
+
+    def parameter_layout(self, path: str, leaf: Any) -> Layout:
+        """:meth:`variable_layout` moved onto :meth:`parameter_mesh` (same split on ``ps``)."""
+        layout = self.variable_layout(path, leaf)
+        specs = ["ps" if "ps" in layout.axes(d) else None for d in range(layout.rank)]
+        return Layout(specs, self.parameter_mesh())
+
+    def worker_meshes(self, num_workers: int | None = None) -> tuple[dtensor.Mesh, ...]:
+        """The worker groups of the asynchronous mode: the devices after the first
+        ``num_ps``, split in order into ``num_workers`` ``("worker",)`` meshes
+        (default: one device each). With no device left over, the workers share
+        the parameter devices.
+
+        Examples:
+            >>> import strategies
+            >>> strategies.ParameterServerStrategy(num_ps=2).worker_meshes(3)
+            (Mesh(worker=2), Mesh(worker=2), Mesh(worker=2))
+        """
+        rest = self.mesh.device_list[self.num_ps :] or self.mesh.device_list
+        if num_workers is None:
+            num_workers = len(rest)
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1 or len(rest) % num_workers:
+            raise ValueError(
+                f"num_workers={num_workers!r} must be a positive number that divides the {len(rest)} "
+                f"worker devices of {self!r}; pick one of "
+                f"{[d for d in range(1, len(rest) + 1) if len(rest) % d == 0]}, or leave it None (one device each)."
+            )
+        size = len(rest) // num_workers
+        return tuple(
+            dtensor.create_mesh([("worker", size)], devices=rest[i * size : (i + 1) * size]) for i in range(num_workers)
+        )
+
     def __repr__(self) -> str:
         return f"ParameterServerStrategy({self.variable_partitioner!r}, mesh={self.mesh!r})"

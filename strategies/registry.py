@@ -38,8 +38,10 @@ def _layout(devices: Sequence[Any]) -> Strategy:
     rules = dtensor.LayoutMap(
         mesh,
         [
-            (r"(up|query|key|value)/kernel", (None, "model")),
-            (r"(down)/kernel", ("model", None)),
+            (r"(query|key|value)/kernel", (None, "model", None)),  # (in, heads, head_dim)
+            (r"attn/out/kernel", ("model", None, None)),
+            (r"up/kernel", (None, "model")),
+            (r"down/kernel", ("model", None)),
         ],
     )
     return LayoutStrategy(mesh, rules)

@@ -29,9 +29,12 @@ class InputContext:
     num_input_pipelines: int = 1
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
+    # The global batch sizes the input function asked about (to check its shares).
+    _global_batch_sizes: list[int] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size / num_replicas_in_sync``; raises if it does not divide."""
+        self._global_batch_sizes.append(int(global_batch_size))
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(
                 f"the global batch size {global_batch_size} does not divide over "
@@ -41,6 +44,7 @@ class InputContext:
 
     def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
         """The rows this input pipeline (process) reads of each global batch."""
+        self._global_batch_sizes.append(int(global_batch_size))
         if global_batch_size % self.num_input_pipelines:
             raise ValueError(
                 f"the global batch size {global_batch_size} does not divide over "

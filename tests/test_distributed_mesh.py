@@ -186,3 +186,8 @@ def test_non_tpu_with_uniform_slice_index_groups_by_process():
     assert by == "process_index" and [[d.id for d in g] for g in groups] == [[0, 1], [2, 3]]
     distinct = [dataclasses.replace(d, slice_index=d.process_index) for d in devices]
     assert device_groups(distinct)[0] == "slice_index"
+
+
+def test_error_no_devices():
+    with pytest.raises(dtensor.MeshError, match=r"devices is empty; pass at least one device"):
+        create_distributed_mesh([("data", 2)], [("data", 1)], [])

@@ -112,7 +112,7 @@ def test_sigterm_mid_step_saves_at_boundary_and_resume_is_bitwise_exact(tmp_path
         rc, err = stopped.finish()
         assert rc == RESTARTABLE_EXIT_CODE, err[-3000:]
         # Step 6 (the one running when the signal came) finished and was saved, then it exited.
-        assert stopped.seen[-1] == "PAUSED 5" and not any(
+        assert stopped.seen[-1].startswith("PAUSED 5 pid=") and not any(
             x.startswith("STEP 6") for x in stopped.seen
         )
         assert Checkpointer(tmp_path / "ckpt").all_steps() == [6]

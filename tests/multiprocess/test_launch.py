@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -189,3 +190,24 @@ def test_command_line_needs_a_command(capsys):
 def test_argument_errors(cmd, n, k, match):
     with pytest.raises(ValueError, match=match):
         launch(cmd, n, devices_per_process=k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    launcher = subprocess.Popen(
+        [PY, "-m", "dtensor.launch", "-n", "2", "--grace", "1", "--", str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert launcher.stdout is not None
+    pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (reaped by the launcher)

@@ -185,7 +185,8 @@ def test_global_sum_and_barrier_through_launcher(n, k):
     result = run_worker("collective", n, "launcher", devices_per_process=k)
     assert result.returncode == 0, report(result)
     total, cols = expected_sums(n, k)
-    for rank, r in enumerate(_results(result)):
+    results = _results(result)
+    for rank, r in enumerate(results):
         assert r["client_id"] == r["process_index"] == r["process_id"] == rank
         assert r["num_clients"] == r["num_processes"] == n
         assert r["source"] == "dtensor.launch"
@@ -195,6 +196,12 @@ def test_global_sum_and_barrier_through_launcher(n, k):
         assert r["sum"] == total
         assert r["col_sums"] == cols
         assert r["seen_after_barrier"] == list(range(n))
+        assert r["initialize_again_same"] is True
+        assert r["initialize_other_job"].startswith("dtensor.initialize() was already called with")
+    assert results[0]["lone_barrier"].startswith(
+        f"barrier('only-process-0') on process 0: not all {n} processes arrived within 1 s"
+    )
+    assert all(r["lone_barrier"] is None for r in results[1:])
     # Rank 0 printed the cluster table; the others did not.
     assert "dtensor cluster" in result.outputs[0]
     assert all("dtensor cluster" not in out for out in result.outputs[1:])
@@ -269,3 +276,58 @@ def test_process_that_never_joins():
         "process 0 of 2: not all processes joined the job at coordinator 127.0.0.1:"
         in result.outputs[0]
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_coordinator_port_in_use():
+    result = run_worker("faults", 1, "busy_port", timeout_s=45)
+    assert result.returncode == 0, report(result)
+    out = result.outputs[0]
+    assert (
+        "CAUGHT dtensor.initialize(): process 0 cannot start the coordinator at 127.0.0.1:" in out
+    )
+    assert "is already in use on this host" in out
+
+
+def test_tf_config_cluster_not_an_object():
+    with pytest.raises(ClusterConfigError, match=r"'cluster' is not an object of task type"):
+        parse_tf_config({"cluster": ["h:1"], "task": {"type": "worker", "index": 0}})
+
+
+def test_jax_initialize_failure_is_reported(monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("UNKNOWN: Failed to start RPC server")
+
+    monkeypatch.setattr(runtime, "_backends_started", lambda: False)
+    monkeypatch.setattr(runtime, "_check_port_free", lambda spec: None)
+    monkeypatch.setattr(jax.distributed, "initialize", fail)
+    with pytest.raises(
+        dtensor.DistributedRuntimeError,
+        match=r"process 0 could not start the job at coordinator 127.0.0.1:9 \(from arguments\): "
+        r"UNKNOWN: Failed to start RPC server",
+    ):
+        dtensor.initialize("127.0.0.1:9", 2, 0, local_device_count=None)
+    assert not runtime.is_initialized()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_sigkilled_coordinator_stops_the_others():
+    # Process 0 runs the coordination service. Its death is seen at once by
+    # JAX's error polling, which aborts the others (SIGABRT) with its own
+    # message naming the leader task (process 0); ours cannot come first.
+    result = run_worker(
+        "faults",
+        2,
+        "kill_coordinator",
+        "4",
+        devices_per_process=2,
+        stop_on_failure=False,
+        timeout_s=90,
+    )
+    assert not result.timed_out, report(result)
+    assert result.returncodes[0] == 128 + 9, report(result)
+    assert result.returncodes[1] != 0, report(result)
+    out = result.outputs[1]
+    assert "leader task" in out or "process 0 (the coordinator at 127.0.0.1:" in out, report(result)

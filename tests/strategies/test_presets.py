@@ -133,8 +133,8 @@ def test_fully_sharded_leaves_indivisible_dims_whole():
 )
 def test_create_gives_the_same_layouts_and_values_as_scope(make):
     s = make()
-    built, _ = _build(s, Block)
-    created = s.create(lambda: Block(rngs=nnx.Rngs(0)))
+    built, _ = _build(s)
+    created = s.create(lambda: MLPModel(rngs=nnx.Rngs(0)))
     a = dict(jax.tree_util.tree_leaves_with_path(nnx.state(built)))
     b = dict(jax.tree_util.tree_leaves_with_path(nnx.state(created)))
     assert a.keys() == b.keys()
@@ -232,7 +232,8 @@ def test_tensor_parallel_megatron_column_row_pattern():
         "attn/value/kernel": (U, "tensor", U),
         "attn/out/kernel": ("tensor", U, U),  # (heads, head_dim, out): heads split
         "embed/embedding": ("tensor", U),  # vocabulary split
-        "head/kernel": (U, U),  # no rule: replicated
+        "head/kernel": (U, "tensor"),  # the output head: column (vocabulary split)
+        "head/bias": ("tensor",),
         "ln1/scale": (U,),
     }
     for name, spec in want.items():
@@ -271,7 +272,8 @@ def test_hybrid_combines_tensor_and_fsdp():
     assert specs["down/kernel"] == ("tensor", "fsdp")
     assert specs["attn/query/kernel"] == ("fsdp", "tensor", U)
     assert specs["attn/out/kernel"] == ("tensor", U, "fsdp")
-    assert specs["head/kernel"] == (U, "fsdp")  # no tensor rule: FSDP only
+    assert specs["head/kernel"] == ("fsdp", "tensor")
+    assert specs["embed/embedding"] == ("tensor", "fsdp")
     assert specs["up/bias"] == ("tensor",)
     assert specs["ln1/scale"] == ("fsdp",)
     assert s.batch_layout(2) == dtensor.Layout([("data", "fsdp"), U], s.mesh)
@@ -409,3 +411,31 @@ def test_variable_layouts_reports_rules():
     assert layouts["up"]["kernel"] == dtensor.Layout([U, "tensor"], s.mesh)
     assert rules["up"]["kernel"] == "megatron column"
     assert rules["down"]["kernel"] == "megatron row"
+
+
+def _row(text, path):
+    (line,) = [ln for ln in text.splitlines() if f" {path} " in ln]
+    return [cell.strip() for cell in line.strip("│┃ ").split("│")]
+
+
+def test_describe_lists_each_variable_with_its_layout_and_rule():
+    s = strategies.TensorParallelStrategy(tensor_parallel=2)
+    model, _ = _build(s)
+    text = s.describe(model)
+    assert text.splitlines()[0] == repr(s)
+    assert _row(text, "up/kernel") == [
+        "up/kernel",
+        "(16, 64)",
+        "float32",
+        "[unsharded, tensor]",
+        "megatron column",
+        "2.0 KiB",
+    ]
+    assert _row(text, "down/kernel")[3:5] == ["[tensor, unsharded]", "megatron row"]
+    assert "Mesh(data=4, fsdp=1, tensor=2)" in text
+    # An abstract model works too (nothing is materialised).
+    f = strategies.FullyShardedStrategy(min_shard_bytes=4096)
+    text = f.describe(nnx.eval_shape(lambda: MLPModel(rngs=nnx.Rngs(0))))
+    assert _row(text, "up/kernel")[3] == "[unsharded, fsdp]"
+    assert _row(text, "up/kernel")[5] == "512 B"  # 4 KiB over 8 devices
+    assert _row(text, "down/kernel")[3] == "[unsharded, unsharded]"  # 2 KiB: below the threshold

@@ -59,6 +59,23 @@ def main() -> None:
     seen = sorted(int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get("test/arrived/"))
     dtensor.barrier("arrived")  # the same name again
 
+    # A barrier only process 0 reaches times out there, and the job goes on.
+    lone_barrier = None
+    if me == 0:
+        try:
+            dtensor.barrier("only-process-0", timeout_s=1)
+        except dtensor.DistributedRuntimeError as e:
+            lone_barrier = str(e)
+    dtensor.barrier("after-lone")
+
+    # initialize() again: the same job is fine, another one is an error.
+    again = dtensor.initialize() == spec
+    try:
+        dtensor.initialize("127.0.0.1:1", 5, 0)
+        second_job = None
+    except dtensor.DistributedRuntimeError as e:
+        second_job = str(e)
+
     print(
         "RESULT "
         + json.dumps(
@@ -76,6 +93,9 @@ def main() -> None:
                 "sum": float(total_sum),
                 "col_sums": np.asarray(col_sums).tolist(),
                 "seen_after_barrier": seen,
+                "lone_barrier": lone_barrier,
+                "initialize_again_same": again,
+                "initialize_other_job": second_job,
             }
         ),
         flush=True,

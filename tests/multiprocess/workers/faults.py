@@ -3,8 +3,11 @@
 - ``kill``: process 1 SIGKILLs itself mid-run; the others keep running
   collectives until the runtime notices and stops them.
 - ``raise``: process 1 raises after the first steps.
+- ``kill_coordinator``: process 0 (which runs the coordination service)
+  SIGKILLs itself mid-run.
 - ``wrong_address``: join a coordinator where nothing listens (as process 1).
 - ``alone``: be process 0 of 2 with no process 1 ever started.
+- ``busy_port``: be process 0 with a coordinator port another socket holds.
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ def main() -> None:
             print(f"CAUGHT {e}", flush=True)
             sys.exit(0)
         sys.exit("initialize did not fail")
+    if scenario == "busy_port":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            s.listen()
+            try:
+                dtensor.initialize(f"127.0.0.1:{s.getsockname()[1]}", 1, 0, timeout_s=5)
+            except dtensor.DistributedRuntimeError as e:
+                print(f"CAUGHT {e}", flush=True)
+                sys.exit(0)
+        sys.exit("initialize did not fail")
     if scenario == "alone":
         dtensor.initialize(f"127.0.0.1:{closed_port()}", 2, 0, timeout_s=3)
         sys.exit("initialize did not fail")
@@ -53,7 +68,10 @@ def main() -> None:
     step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh.jax_mesh, P()))
     dtensor.barrier("start")
     for i in range(100_000):
-        if me == 1 and i == 3:
+        if scenario == "kill_coordinator" and me == 0 and i == 3:
+            print("process 0 going away", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if scenario != "kill_coordinator" and me == 1 and i == 3:
             print("process 1 going away", flush=True)
             if scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,130 @@
+"""``strategy.run`` against hand-written ``jax.jit`` with the same shardings, per preset.
+
+Both run the same NNX train step (value_and_grad + Adam) on the same model and
+pre-placed global batch. The hand-written version is what a user would write
+without the library: ``nnx.split`` once, ``jax.jit`` of a pure step with
+``in_shardings``/``out_shardings`` taken from the strategy's own variable and
+batch layouts, donated state. Rounds interleave the two (alternating which
+goes first); each round gives one ratio ``run / jit`` of seconds per step, and
+the table shows min / median / max over the rounds.
+
+For ``fully_sharded`` the two programs differ: the preset gathers each
+parameter at its read (reduce-scattered gradients), while plain ``jax.jit``
+leaves the plan to XLA; its ratio measures that plan, not dispatch.
+
+    python -m benchmarks.overhead [--rounds 7] [--steps 20] [--hidden 512] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+
+def handwritten(strategy: Any, model: Any, opt: Any, step: Any, batch: Any) -> Any:
+    """A ``jax.jit`` step over ``nnx.split`` state, shardings from the strategy's layouts."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split((model, opt))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+
+    def pure(state: Any, batch: Any) -> Any:
+        m, o = nnx.merge(graphdef, state)
+        loss = step(m, o, batch)
+        return nnx.state((m, o)), loss
+
+    jitted = jax.jit(pure, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None), donate_argnums=0)
+    box = {"state": state}
+
+    def run() -> Any:
+        box["state"], loss = jitted(box["state"], batch)
+        return loss
+
+    return run
+
+
+def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    import dtensor
+    import strategies
+
+    step = common.train_step("mlp")
+    host_batch = common.mlp_batch(args.batch, args.features, args.features)
+    factory = common.mlp_model(args.features, args.hidden, args.features)
+
+    s_run = strategies.from_name(preset)
+    m1, o1 = common.build(s_run, factory)
+    batch = {k: dtensor.copy_to_mesh(v, s_run.batch_layout(v.ndim)) for k, v in host_batch.items()}
+    s_run.run(step, args=(m1, o1, batch))  # places the variables, compiles
+    try:
+        s_jit = strategies.from_name(preset)
+        m2, o2 = common.build(s_jit, factory)
+        s_jit.run(step, args=(m2, o2, batch))  # the same placement as the strategy's
+        baseline = handwritten(s_jit, m2, o2, step, batch)
+        jax.block_until_ready(baseline())  # compile
+    except Exception as err:  # noqa: BLE001 - recorded, not fatal
+        return {"preset": preset, "error": f"hand-written jit baseline failed: {type(err).__name__}: {err}"[:300]}
+
+    def run() -> Any:
+        return s_run.run(step, args=(m1, o1, batch))
+
+    ratios, run_s, jit_s = [], [], []
+    for r in range(args.rounds):
+        pair = [(run, run_s), (baseline, jit_s)]
+        for fn, sink in pair if r % 2 == 0 else pair[::-1]:
+            sink.append(common.time_steps(fn, args.steps))
+        ratios.append(run_s[-1] / jit_s[-1])
+    return {
+        "preset": preset,
+        "ratio": common.summary(ratios),
+        "run_ms_per_step": common.summary([t * 1e3 for t in run_s]),
+        "jit_ms_per_step": common.summary([t * 1e3 for t in jit_s]),
+        "ratios": ratios,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    parser.add_argument("--presets", default="all")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    common.ensure_devices()
+    import strategies
+
+    presets = list(strategies.PRESET_NAMES) if args.presets == "all" else args.presets.split(",")
+    rows = [measure(p, args) for p in presets]
+    payload = {
+        "settings": {k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")},
+        "results": rows,
+    }
+    path = common.write_json("overhead", payload, args.out)
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append((r["preset"], "-", "-", "-", "-", "-", r["error"][:60]))
+        else:
+            q = r["ratio"]
+            table.append(
+                (r["preset"], r["run_ms_per_step"]["median"], r["jit_ms_per_step"]["median"], q["min"], q["median"], q["max"], "")
+            )
+    common.print_table(
+        f"strategy.run / hand-written jax.jit, per step ({path.name})",
+        ["preset", "run ms", "jit ms", "ratio min", "ratio median", "ratio max", "note"],
+        table,
+    )
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,525 @@
+"""`ClusterCoordinator`: asynchronous parameter-server training (TensorFlow's names).
+
+The strategy's devices split into a *parameter group* (the first ``num_ps``
+devices, a ``("ps",)`` mesh holding the variables, split by the partitioner)
+and *worker groups* (the other devices, one device or a ``("worker",)`` mesh
+each). One dispatcher thread per worker takes closures from a shared queue.
+
+How user code is written. TF's closure reads and updates variables captured
+from the scope; a compiled JAX step cannot capture mutable variables, so here
+the variables' owners are *arguments*. Write an ordinary Flax NNX step and pass
+the model and optimizer to ``schedule``::
+
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    coordinator = strategies.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    losses = [coordinator.schedule(train_step, args=(model, optimizer, iterator)) for _ in range(n)]
+    coordinator.join()
+
+What one closure does on worker ``w``:
+
+1. its arguments are resolved for ``w``: a per-worker iterator gives its next
+   element (the worker calls ``next``, as TF's step does), a
+   :class:`PerWorkerValues` its ``w``-th value, a :class:`RemoteValue` its result;
+2. *read*: the current variables of the modules are copied from the parameter
+   group to ``w``'s devices (a consistent snapshot, taken under the lock);
+3. *compute*: the step runs there, compiled for ``w`` (one compile per worker
+   and input signature); inside it the optimizer is a stand-in whose
+   ``update(model, grads)`` only records the gradients;
+4. *apply*: under the lock, in commit order, a program on the parameter
+   devices adds the changes the step made to variables (TF's ``assign_add``)
+   and runs the real ``optimizer.update`` with the gradients, so optimizer
+   state lives with the parameters. Other workers have committed meanwhile:
+   the gradients are stale by that many updates (``stats().staleness``), as in
+   TF's asynchronous training.
+
+A closure *commits* at step 4; until then nothing it did is visible, so a
+closure whose worker fails before committing is re-run elsewhere, and one that
+committed never runs again. Each worker runs one closure at a time and waits
+for its results before committing, which bounds the work queued on XLA (see
+JAX-NOTES on simulated CPU devices).
+
+Across hosts. Asynchronous mode runs in one controller process: the parameter
+group and every worker group must be devices of *this* process. JAX's
+multi-process model is multi-controller SPMD: every process must launch the
+same programs in the same order, and arrays move between processes only
+inside such programs (collectives). Independent per-worker schedules and
+point-to-point parameter reads from a remote host contradict that, and JAX has
+no remote-device RPC like TF's workers. So on a multi-host run use the
+synchronous ``ParameterServerStrategy`` (it spans processes), or run one
+coordinator per host over that host's devices (hosts then do not share
+parameters).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import inspect
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dtensor.rules import path_str
+
+from . import coordinator_step as cs
+from .coordinator_values import PerWorkerDataset, PerWorkerValues, RemoteValue, WorkerFailure
+from .parameter_server import ParameterServerStrategy
+from .values import InputContext
+
+__all__ = ["ClusterCoordinator", "CoordinatorStats"]
+
+_FAILURE_CODES = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorStats:
+    """Counters of a coordinator: what ran where, and how stale its updates were.
+
+    Attributes:
+        completed: closures that finished successfully.
+        per_worker: successful closures per worker.
+        staleness: for each committed update, in commit order, how many other
+            updates were committed between its read of the parameters and its own.
+        retries: closures put back on the queue after a worker failure.
+    """
+
+    completed: int
+    per_worker: tuple[int, ...]
+    staleness: tuple[int, ...]
+    retries: int
+
+
+class _Closure:
+    __slots__ = ("id", "fn", "args", "kwargs", "remote", "failures")
+
+    def __init__(
+        self, cid: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.id, self.fn, self.args, self.kwargs = cid, fn, args, kwargs
+        self.remote = RemoteValue(cid)
+        self.failures = 0
+
+
+class ClusterCoordinator:
+    """Schedules closures onto worker groups that train against a parameter group.
+
+    Args:
+        strategy: a :class:`ParameterServerStrategy`; its first ``num_ps``
+            devices hold the variables, the others are the workers.
+        num_workers: how many worker groups to split the other devices into
+            (default: one device each).
+        max_retries: how many worker failures one closure may meet before it
+            fails for good (its error then surfaces on ``join()``).
+
+    Examples:
+        >>> import strategies, optax, numpy as np
+        >>> from flax import nnx
+        >>> strategy = strategies.ParameterServerStrategy(num_ps=2)
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> def step(model, optimizer, x):
+        ...     loss, grads = nnx.value_and_grad(lambda m: ((m(x) - 1.0) ** 2).mean())(model)
+        ...     optimizer.update(model, grads)
+        ...     return loss
+        >>> with strategies.ClusterCoordinator(strategy, num_workers=2) as coordinator:
+        ...     losses = [coordinator.schedule(step, args=(model, optimizer, np.ones((4, 3), np.float32))) for _ in range(6)]
+        >>> coordinator.stats().completed, int(optimizer.step[...])
+        (6, 6)
+    """
+
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        num_workers: int | None = None,
+        *,
+        max_retries: int = 3,
+    ) -> None:
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise TypeError(
+                f"ClusterCoordinator(strategy={strategy!r}): asynchronous training needs a "
+                "ParameterServerStrategy (its partitioner lays out the variables on the parameter "
+                "devices). Build one, e.g. strategies.ParameterServerStrategy(num_ps=2)."
+            )
+        self.strategy = strategy
+        self._ps_mesh = strategy.parameter_mesh()
+        self._workers = strategy.worker_meshes(num_workers)
+        _check_addressable(strategy.mesh.device_list)
+        self.max_retries = max_retries
+        self._replicated_ps = jax.sharding.NamedSharding(
+            self._ps_mesh.jax_mesh, jax.sharding.PartitionSpec()
+        )
+        self._lock = threading.Lock()  # the parameter group: snapshots and commits
+        self._cond = threading.Condition()  # the queue and the bookkeeping below
+        self._queue: collections.deque[_Closure] = collections.deque()
+        self._in_flight = 0
+        self._error: BaseException | None = None
+        self._available = [True] * len(self._workers)
+        self._closed = False
+        self._ids = itertools.count()
+        self._version = 0
+        self._staleness: list[int] = []
+        self._per_worker = [0] * len(self._workers)
+        self._retries = 0
+        self._steps: list[dict[Any, cs.WorkerStep]] = [{} for _ in self._workers]
+        self._applies: dict[Any, Any] = {}
+        self._threads = [
+            threading.Thread(target=self._work, args=(w,), name=f"ps-worker-{w}", daemon=True)
+            for w in range(len(self._workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------- API
+    @property
+    def num_workers(self) -> int:
+        """How many worker groups run closures."""
+        return len(self._workers)
+
+    @property
+    def worker_meshes(self) -> tuple[Any, ...]:
+        """Each worker group's ``("worker",)`` mesh."""
+        return self._workers
+
+    def schedule(
+        self,
+        fn: Callable[..., Any],
+        args: Iterable[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on some worker; returns at once.
+
+        NNX modules and optimizers among the arguments are the variables: they
+        are moved to the parameter group (first time seen) and updated there by
+        the closure. Per-worker values and iterators, and remote values, are
+        resolved on the worker that runs it. If an earlier closure failed, that
+        error is raised here (and cleared), as TF does.
+        """
+        self._raise_error()
+        if self._closed:
+            raise RuntimeError(
+                "schedule() on a closed ClusterCoordinator: close() (or leaving its `with` block) "
+                "stopped its workers. Create a new ClusterCoordinator."
+            )
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        for node in jax.tree.leaves((args, kwargs), is_leaf=_is_node):
+            if _is_node(node):
+                self._place(node)
+        closure = _Closure(next(self._ids), fn, args, kwargs)
+        with self._cond:
+            self._queue.append(closure)
+            self._cond.notify_all()
+        return closure.remote
+
+    def join(self) -> None:
+        """Wait until every scheduled closure has finished; raise the first error (and clear it)."""
+        with self._cond:
+            while self._queue or self._in_flight:
+                if self._error is not None:
+                    break
+                if self._in_flight == 0 and not any(self._available):
+                    raise RuntimeError(
+                        f"{len(self._queue)} closures are waiting but all {self.num_workers} workers "
+                        "are unavailable (they raised WorkerFailure or were marked so). Bring one back "
+                        "with coordinator.set_worker_available(i, True), or check the failures."
+                    )
+                self._cond.wait(timeout=1.0)
+        self._raise_error()
+
+    def done(self) -> bool:
+        """Whether every scheduled closure has finished; raises the first error (and clears it)."""
+        self._raise_error()
+        with self._cond:
+            return not self._queue and self._in_flight == 0
+
+    def fetch(self, values: Any) -> Any:
+        """``fetch()`` every :class:`RemoteValue` in a pytree (waiting for each)."""
+        return jax.tree.map(
+            lambda v: v.fetch() if isinstance(v, RemoteValue) else v, values, is_leaf=_is_remote
+        )
+
+    def create_per_worker_dataset(
+        self, dataset_fn: Callable[..., Iterable[Any]]
+    ) -> PerWorkerDataset:
+        """Call ``dataset_fn`` once per worker (with an :class:`InputContext` if it takes an argument).
+
+        ``iter()`` of the result gives a per-worker iterator: passed to
+        ``schedule``, the closure receives the next element of the iterator of
+        the worker that runs it. After a worker failure, the re-run takes its
+        element from the new worker's iterator (the failed worker's element is
+        skipped, as in TF).
+        """
+        takes_ctx = any(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+            for p in inspect.signature(dataset_fn).parameters.values()
+        )
+        n = self.num_workers
+        made = [
+            dataset_fn(
+                InputContext(num_input_pipelines=n, input_pipeline_id=w, num_replicas_in_sync=n)
+            )
+            if takes_ctx
+            else dataset_fn()
+            for w in range(n)
+        ]
+        return PerWorkerDataset(tuple(made))
+
+    def set_worker_available(self, worker: int, available: bool) -> None:
+        """Mark a worker as up or down (for tests, or a health check that saw its devices go).
+
+        A worker marked down takes no closures; the closure it is running, if
+        any, is not committed and runs again on another worker.
+        """
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(
+                f"set_worker_available(worker={worker!r}): there are {self.num_workers} workers; "
+                f"pass an index in 0..{self.num_workers - 1}."
+            )
+        with self._cond:
+            self._available[worker] = bool(available)
+            self._cond.notify_all()
+
+    def stats(self) -> CoordinatorStats:
+        """What has run so far (see :class:`CoordinatorStats`)."""
+        with self._cond:
+            return CoordinatorStats(
+                sum(self._per_worker),
+                tuple(self._per_worker),
+                tuple(self._staleness),
+                self._retries,
+            )
+
+    def close(self) -> None:
+        """Stop the workers after their current closures; queued closures are cancelled."""
+        with self._cond:
+            self._closed = True
+            for c in self._queue:
+                c.remote._fail(
+                    concurrent.futures.CancelledError(f"closure {c.id}: the coordinator was closed")
+                )
+            self._queue.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+    def __enter__(self) -> ClusterCoordinator:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            if exc_type is None:
+                self.join()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"ClusterCoordinator(parameters={self._ps_mesh!r}, workers={self.num_workers})"
+
+    # ------------------------------------------------------------- internals
+    def _raise_error(self) -> None:
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _place(self, node: Any) -> None:
+        """Lay a node's variables out on the parameter group (once, or again if moved)."""
+        with self._lock:
+            state = nnx.state(node)
+
+            def place(path: Any, var: Any) -> Any:
+                value = var.get_value() if isinstance(var, nnx.Variable) else var
+                if not isinstance(value, jax.Array | np.ndarray | np.generic):
+                    return var
+                if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+                    sharding = self._replicated_ps
+                else:
+                    sharding = self.strategy.parameter_layout(path_str(path), value).sharding
+                if isinstance(value, jax.Array) and value.sharding == sharding:
+                    return var
+                moved = jax.device_put(value, sharding)
+                return var.replace(moved) if isinstance(var, nnx.Variable) else moved
+
+            placed = jax.tree_util.tree_map_with_path(
+                place, state, is_leaf=lambda v: isinstance(v, nnx.Variable)
+            )
+            nnx.update(node, placed)
+
+    def _work(self, w: int) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._queue or not self._available[w]):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                closure = self._queue.popleft()
+                self._in_flight += 1
+            try:
+                out = self._run(w, closure)
+            except BaseException as e:  # noqa: BLE001 - every error is surfaced or retried
+                self._failed(w, closure, e)
+            else:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._per_worker[w] += 1
+                    self._cond.notify_all()
+                closure.remote._set(out)
+
+    def _failed(self, w: int, closure: _Closure, error: BaseException) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if _is_worker_failure(error) or not self._available[w]:
+                self._available[w] = False
+                closure.failures += 1
+                if closure.failures <= self.max_retries and not self._closed:
+                    self._retries += 1
+                    self._queue.appendleft(closure)
+                    self._cond.notify_all()
+                    return
+                last = error
+                error = RuntimeError(
+                    f"closure {closure.id} ({getattr(closure.fn, '__name__', closure.fn)}) met "
+                    f"{closure.failures} worker failures, more than max_retries={self.max_retries}; "
+                    "the last is chained below. Check the workers, or raise max_retries."
+                )
+                error.__cause__ = last
+            closure.remote._fail(error)
+            if self._error is None:
+                self._error = error
+                for c in self._queue:  # as TF: an error cancels what has not started
+                    c.remote._fail(
+                        concurrent.futures.CancelledError(
+                            f"closure {c.id} was cancelled: an earlier closure failed"
+                        )
+                    )
+                self._queue.clear()
+            self._cond.notify_all()
+
+    def _run(self, w: int, closure: _Closure) -> Any:
+        mesh = self._workers[w]
+        args, kwargs = _resolve((closure.args, closure.kwargs), w)
+        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+        modules: list[Any] = []
+        optimizers: list[Any] = []
+        kinds: list[Any] = []
+        arrays: list[Any] = []
+        for v in flat:
+            if isinstance(v, nnx.Optimizer):
+                kinds.append(_index_of(optimizers, v, cs.OPTIMIZER))
+            elif _is_node(v):
+                kinds.append(_index_of(modules, v, cs.MODULE))
+            elif isinstance(v, jax.Array | np.ndarray | np.generic):
+                kinds.append(cs.ARRAY)
+                arrays.append(jax.device_put(v, _batch_sharding(mesh, np.ndim(v), np.shape(v))))
+            else:
+                kinds.append(cs.Static(v))
+        replicated = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec())
+        mod_graphdef, worker_state, mod_leaves = None, None, []
+        with self._lock:
+            read_version = self._version
+            if modules:
+                mod_graphdef, mod_state = nnx.split(tuple(modules))
+                mod_leaves = jax.tree.leaves(mod_state)
+                worker_state = jax.device_put(
+                    mod_state, replicated
+                )  # queued before any later commit
+        key = (closure.fn, treedef, mod_graphdef, tuple(kinds), cs.array_signature(arrays))
+        step = self._steps[w].get(key)
+        if step is None:
+            step = cs.compile_worker_step(
+                closure.fn, treedef, kinds, mod_graphdef, len(optimizers), worker_state, arrays
+            )
+            self._steps[w][key] = step
+        deltas, updates, out = step.compiled(worker_state, arrays)
+        delta_sh, update_sh = cs.targets_shardings(step, mod_leaves, self._replicated_ps)
+        deltas = jax.device_put(deltas, delta_sh)
+        updates = [jax.device_put(u, sh) for u, sh in zip(updates, update_sh, strict=True)]
+        jax.block_until_ready((out, deltas, updates))  # the worker's part is done (or failed) here
+        if not (step.deltas or step.updates):
+            return out
+        with self._lock:
+            if not self._available[w]:
+                raise WorkerFailure(
+                    f"worker {w} was marked unavailable before closure {closure.id} committed"
+                )
+            nodes = (*modules, *optimizers)
+            ps_graphdef, ps_state = nnx.split(nodes)
+            sig = tuple(x.sharding for x in jax.tree.leaves(ps_state))
+            akey = (ps_graphdef, len(modules), step.deltas, step.updates, sig)
+            apply = self._applies.get(akey)
+            if apply is None:
+                apply = cs.compile_apply(ps_graphdef, len(modules), ps_state, step, deltas, updates)
+                self._applies[akey] = apply
+            nnx.update(nodes, apply(ps_state, deltas, updates))
+            with self._cond:
+                self._staleness.append(self._version - read_version)
+            self._version += 1
+        return out
+
+
+# ------------------------------------------------------------------- helpers
+def _is_node(x: Any) -> bool:
+    return isinstance(x, nnx.Module | nnx.Optimizer)
+
+
+def _is_remote(x: Any) -> bool:
+    return isinstance(x, RemoteValue)
+
+
+def _index_of(items: list[Any], v: Any, what: str) -> tuple[str, int]:
+    for i, x in enumerate(items):
+        if x is v:
+            return (what, i)
+    items.append(v)
+    return (what, len(items) - 1)
+
+
+def _resolve(tree: Any, worker: int) -> Any:
+    def one(v: Any) -> Any:
+        if isinstance(v, PerWorkerValues):
+            return v.resolve(worker)
+        if isinstance(v, RemoteValue):
+            return v.get()
+        return v
+
+    return jax.tree.map(
+        one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or _is_node(v)
+    )
+
+
+def _batch_sharding(mesh: Any, rank: int, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    split = rank > 0 and shape[0] % mesh.size == 0
+    spec = jax.sharding.PartitionSpec("worker") if split else jax.sharding.PartitionSpec()
+    return jax.sharding.NamedSharding(mesh.jax_mesh, spec)
+
+
+def _is_worker_failure(error: BaseException) -> bool:
+    if isinstance(error, WorkerFailure):
+        return True
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return str(error).split(":", 1)[0].strip() in _FAILURE_CODES
+    return False
+
+
+def _check_addressable(devices: Iterable[Any]) -> None:
+    here = jax.process_index()
+    remote = [d for d in devices if d.process_index != here]
+    if remote:
+        raise ValueError(
+            f"ClusterCoordinator needs every device in this process (process {here}), but "
+            f"{len(remote)} belong to other processes (e.g. {remote[0]!r} of process "
+            f"{remote[0].process_index}). The asynchronous mode is single-controller: build the "
+            "strategy over jax.local_devices(), or train across hosts with the synchronous "
+            "ParameterServerStrategy."
+        )

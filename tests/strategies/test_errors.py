@@ -1,0 +1,234 @@
+"""Bad input to the strategies: every error names what was wrong, what we got, and the fix."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import dtensor
+import strategies
+from strategies import InputContext
+from tests.models import MLPModel
+
+
+def test_scope_of_one_strategy_inside_another():
+    outer = strategies.MirroredStrategy()
+    inner = strategies.FullyShardedStrategy()
+    with outer.scope():
+        with pytest.raises(
+            ValueError,
+            match=r"cannot enter the scope of FullyShardedStrategy\(mesh=Mesh\(fsdp=8\).*inside the scope of "
+            r"MirroredStrategy\(mesh=Mesh\(replica=8\).*Leave the outer `with strategy.scope\(\):` block first",
+        ):
+            with inner.scope():
+                pass
+        # The failed entry left the outer scope intact.
+        assert strategies.get_strategy() is outer
+        assert dtensor.current_mesh() == outer.mesh
+    assert isinstance(strategies.get_strategy(), strategies.OneDeviceStrategy)
+    assert dtensor.current_mesh() is None
+
+
+def test_run_with_an_array_on_another_mesh():
+    s = strategies.MirroredStrategy()
+    other = dtensor.create_mesh([("batch", 4), ("model", 2)])
+    x = dtensor.copy_to_mesh(np.ones((8, 2), np.float32), dtensor.Layout(["batch", None], other))
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"argument args\[1\]\['x'\] of run\(\) is laid out on Mesh\(batch=4, model=2\), but "
+        r"MirroredStrategy\(.*\) runs on Mesh\(replica=8\)\. Move it with dtensor\.relayout\(x, "
+        r"strategy\.batch_layout\(x\.ndim\)\) or pass host \(numpy\) data",
+    ):
+        s.run(lambda scale, batch: batch["x"] * scale, args=(2.0, {"x": x}))
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"argument kwargs\['batch'\] of run\(\) is laid out on Mesh\(batch=4",
+    ):
+        s.run(lambda batch: batch * 2, kwargs={"batch": x})
+
+
+def test_run_with_a_batch_that_does_not_divide_over_the_replicas():
+    s = strategies.FullyShardedStrategy()
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"the global batch \(argument args\[0\]\['x'\], shape \(12, 2\)\) has 12 rows, which does not divide "
+        r"over the 8 replicas of FullyShardedStrategy.*a multiple of 8, or distribute the dataset with pad=True",
+    ):
+        s.run(lambda b: b["x"].sum(), args=({"x": np.ones((12, 2))},))
+
+
+def test_dataset_batch_that_does_not_divide():
+    s = strategies.TensorParallelStrategy(tensor_parallel=2)
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"the global batch of 6 rows does not divide over the 4 shards of mesh axes \('data', 'fsdp'\)",
+    ):
+        list(s.experimental_distribute_dataset([{"x": np.ones((6, 2))}]))
+
+
+def test_tpu_strategy_without_tpus():
+    with pytest.raises(
+        ValueError,
+        match=r"TPUStrategy\(\) found no TPU devices: this machine has \['cpu'\] devices\. .*pass devices= explicitly",
+    ):
+        strategies.TPUStrategy()
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (
+            lambda: strategies.FixedShardsPartitioner(0),
+            r"FixedShardsPartitioner\(num_shards=0\): num_shards must be a positive integer",
+        ),
+        (lambda: strategies.FixedShardsPartitioner(-3), r"FixedShardsPartitioner\(num_shards=-3\)"),
+        (
+            lambda: strategies.FixedShardsPartitioner(2.5),
+            r"FixedShardsPartitioner\(num_shards=2\.5\).*e\.g\. num_shards=2",
+        ),
+        (
+            lambda: strategies.FixedShardsPartitioner(True),
+            r"FixedShardsPartitioner\(num_shards=True\)",
+        ),
+        (
+            lambda: strategies.MinSizePartitioner(min_shard_bytes=-1, max_shards=2),
+            r"MinSizePartitioner\(min_shard_bytes=-1\): min_shard_bytes must be a positive integer",
+        ),
+        (
+            lambda: strategies.MinSizePartitioner(max_shards=0),
+            r"MinSizePartitioner\(max_shards=0\)",
+        ),
+        (
+            lambda: strategies.MaxSizePartitioner(max_shard_bytes=-5),
+            r"MaxSizePartitioner\(max_shard_bytes=-5\): max_shard_bytes must be a positive integer",
+        ),
+        (
+            lambda: strategies.MaxSizePartitioner(max_shard_bytes=0),
+            r"MaxSizePartitioner\(max_shard_bytes=0\)",
+        ),
+        (
+            lambda: strategies.MaxSizePartitioner(1024, max_shards=-1),
+            r"MaxSizePartitioner\(max_shards=-1\)",
+        ),
+    ],
+)
+def test_partitioners_reject_nonsense(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_parameter_server_bad_arguments():
+    with pytest.raises(
+        TypeError,
+        match=r"variable_partitioner='two' is not a partitioner; use FixedShardsPartitioner\(n\)",
+    ):
+        strategies.ParameterServerStrategy("two")
+    with pytest.raises(
+        ValueError,
+        match=r"num_ps=3 must be a positive number of devices that divides the 8 devices.*\[1, 2, 4, 8\]",
+    ):
+        strategies.ParameterServerStrategy(strategies.FixedShardsPartitioner(2), num_ps=3)
+    with pytest.raises(ValueError, match=r"num_ps=0 must be a positive"):
+        strategies.ParameterServerStrategy(num_ps=0)
+
+
+def test_input_context_batch_sizes_that_do_not_divide():
+    ctx = InputContext(num_input_pipelines=2, input_pipeline_id=0, num_replicas_in_sync=8)
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size 63 does not divide over 8 replicas; use a multiple of 8",
+    ):
+        ctx.get_per_replica_batch_size(63)
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size 63 does not divide over 2 input pipelines; use a multiple of 2",
+    ):
+        ctx.get_per_pipeline_batch_size(63)
+
+
+def test_input_function_returning_the_wrong_number_of_rows():
+    s = strategies.MirroredStrategy()
+
+    def per_replica_rows(ctx):  # the TF habit: batches of one replica's size
+        return [{"x": np.ones((ctx.get_per_replica_batch_size(64), 2))}]
+
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"the dataset function's batch 0 has 8 rows, but this input pipeline's share of the global batch 64 "
+        r"is 64 rows \(64 / 1 input pipelines\)\. .*batch by ctx\.get_per_pipeline_batch_size\(64\)",
+    ):
+        list(s.distribute_datasets_from_function(per_replica_rows))
+
+    def short_last(ctx):
+        n = ctx.get_per_pipeline_batch_size(16)
+        return [{"x": np.ones((n, 2))}, {"x": np.ones((n - 12, 2))}]
+
+    it = iter(s.distribute_datasets_from_function(short_last))
+    assert next(it)["x"].shape == (16, 2)
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"batch 1 has 4 rows, .* share of the global batch 16 is 16 rows.*pad=True",
+    ):
+        next(it)
+    # With pad=True a short last batch is padded to the full global batch (and weighted) instead.
+    (_, w0), (b1, w1) = list(s.distribute_datasets_from_function(short_last, pad=True))
+    assert b1["x"].shape == (16, 2)
+    assert float(w1.sum()) == 4.0
+    assert float(w0.sum()) == 16.0
+
+
+def test_per_replica_mode_with_sharded_variables():
+    s = strategies.FullyShardedStrategy(min_shard_bytes=0)
+    with s.scope():
+        model = MLPModel(rngs=nnx.Rngs(0))
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"per-replica run needs variables whole on every replica, but FullyShardedStrategy.*splits one over "
+        r"the replica axes.*Use run\(\) without per_replica=True",
+    ):
+        s.run(lambda m, x: m(x), args=(model, np.ones((8, 16), np.float32)), per_replica=True)
+
+
+def test_unsupported_cross_device_options():
+    # Strings are not cross-device ops (tests/strategies/test_cross_device_ops.py has the rest).
+    with pytest.raises(
+        ValueError,
+        match=r"MirroredStrategy\(cross_device_ops='nccl'\) is not a cross-device ops object",
+    ):
+        strategies.MirroredStrategy(cross_device_ops="nccl")
+    with pytest.raises(
+        ValueError,
+        match=r"MultiWorkerMirroredStrategy\(communication_options='ring'\) is not a strategies.CommunicationOptions",
+    ):
+        strategies.MultiWorkerMirroredStrategy(communication_options="ring")
+
+
+def test_multi_worker_mirrored_with_uneven_processes():
+    devices = [types.SimpleNamespace(process_index=p) for p in (0, 0, 0, 1)]
+    with pytest.raises(
+        ValueError,
+        match=r"needs the same number of devices in every process; got \[3, 1\] per process",
+    ):
+        strategies.MultiWorkerMirroredStrategy(devices=devices)
+
+
+def test_fully_sharded_negative_min_shard_bytes():
+    with pytest.raises(
+        ValueError, match=r"min_shard_bytes=-1 is negative; use 0 to shard every variable"
+    ):
+        strategies.FullyShardedStrategy(min_shard_bytes=-1)
+
+
+def test_layout_strategy_bad_arguments():
+    mesh = dtensor.create_mesh([("batch", 4), ("model", 2)])
+    other = dtensor.create_mesh([("batch", 8)])
+    with pytest.raises(
+        ValueError,
+        match=r"the LayoutMap is over Mesh\(batch=8\) but the strategy's mesh is Mesh\(batch=4, model=2\)",
+    ):
+        strategies.LayoutStrategy(mesh, dtensor.LayoutMap(other))
+    with pytest.raises(ValueError, match=r"batch_dim_name.*'data'"):
+        strategies.LayoutStrategy(mesh, batch_dim_name="data")

@@ -1,0 +1,242 @@
+"""TPU topologies from libtpu's compiler: devices, meshes, presets compiled ahead of time."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dtensor
+import strategies
+from dtensor.tpu import CHIP_HBM_GIB, MemoryFit, TopologyError, WillNotFitError, chip_generation, padded_bytes
+from tests.models import SEQ, Block, lm_loss, make_train_step
+
+TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1)]
+GIB = 1 << 30
+
+
+# ----------------------------------------------------------------- topologies
+def test_tpu_topology_devices():
+    devices = dtensor.tpu_topology("v5e:4x4")
+    assert len(devices) == 16
+    assert {d.platform for d in devices} == {"tpu"}
+    assert {d.device_kind for d in devices} == {"TPU v5 lite"}
+    assert sorted(tuple(d.coords[:2]) for d in devices) == [(x, y) for x in range(4) for y in range(4)]
+    assert len({d.process_index for d in devices}) == 4  # 4 hosts of 2x2 chips
+    assert dtensor.tpu_topology("v5e:4x4") == devices  # the same objects each time
+
+    two = dtensor.tpu_topology("v5e:4x4", num_slices=2)
+    assert len(two) == 32
+    assert [d.slice_index for d in two] == [0] * 16 + [1] * 16
+
+    v4 = dtensor.tpu_topology("v4:2x2x2")
+    assert len(v4) == 16 and {d.core_on_chip for d in v4} == {0, 1}  # 8 chips, 2 cores each
+    assert chip_generation(v4) == "v4" and chip_generation(devices) == "v5e"
+    assert chip_generation(dtensor.tpu_topology("v5p:2x2x2")) == "v5p"
+    assert chip_generation(jax.devices()) is None
+
+
+def test_tpu_topology_errors():
+    with pytest.raises(TopologyError, match=r"'v9:4x4'.* not a topology libtpu can describe .*e\.g\. 'v5e:4x4'"):
+        dtensor.tpu_topology("v9:4x4")
+    with pytest.raises(TopologyError, match=r"'v5e:3x3'.*not divisible.*'v4:2x2x2'"):
+        dtensor.tpu_topology("v5e:3x3")
+    with pytest.raises(TopologyError, match=r"'4x4'.*does not match regex"):
+        dtensor.tpu_topology("4x4")
+    with pytest.raises(TopologyError, match=r"num_slices=0\): num_slices must be a positive integer"):
+        dtensor.tpu_topology("v5e:4x4", num_slices=0)
+    with pytest.raises(TopologyError, match=r"name=None\): the name must be a string such as 'v5e:4x4'"):
+        dtensor.tpu_topology(None)  # type: ignore[arg-type]
+
+
+def test_meshes_over_a_topology():
+    devices = dtensor.tpu_topology("v5e:4x4")
+    mesh = dtensor.create_mesh([("data", 4), ("model", 4)], devices=devices)
+    assert mesh.platform == "tpu" and mesh.shape == {"data": 4, "model": 4}
+    for name in strategies.PRESET_NAMES:
+        s = strategies.from_name(name, devices=devices)
+        assert s.mesh.platform == "tpu"
+        assert s.mesh.size == (1 if name == "one_device" else 16)
+
+
+def test_multislice_mesh_keeps_each_slice_contiguous_on_the_ici_axes():
+    devices = dtensor.tpu_topology("v5e:4x4", num_slices=2)
+    mesh = dtensor.create_distributed_mesh([("data", 1), ("fsdp", 4), ("tensor", 4)], [("data", 2)], devices=devices)
+    assert mesh.shape == {"data": 2, "fsdp": 4, "tensor": 4}
+    grid = mesh.devices
+    every_chip = sorted((x, y) for x in range(4) for y in range(4))
+    for s in range(2):
+        block = grid[s]
+        assert {d.slice_index for d in block.flat} == {s}
+        assert sorted(tuple(d.coords[:2]) for d in block.flat) == every_chip
+        # Neighbours along each ICI axis are neighbouring chips.
+        for a in range(block.shape[0]):
+            for b in range(block.shape[1]):
+                for da, db in ((1, 0), (0, 1)):
+                    if a + da < block.shape[0] and b + db < block.shape[1]:
+                        p, q = block[a, b].coords, block[a + da, b + db].coords
+                        assert sum(abs(i - j) for i, j in zip(p, q, strict=True)) == 1
+    # DCN on an inner axis: each slice is one contiguous half of that axis.
+    mesh = dtensor.create_distributed_mesh([("data", 2), ("model", 8)], [("model", 2)], devices=devices)
+    assert mesh.shape == {"data": 2, "model": 16}
+    slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert (slice_of[:, :8] == 0).all() and (slice_of[:, 8:] == 1).all()
+
+
+# ------------------------------------------------------- fit verdict, padding
+def test_memory_fit_verdict():
+    fit = MemoryFit("v5e", 16 * GIB, 1, 12 * GIB, 12 * GIB, 12 * GIB, 3 * GIB, 1 << 20)
+    assert fit.fits and fit.bytes_per_chip == 15 * GIB + (1 << 20)
+    assert str(fit).startswith("fits: 15.0 GiB per v5e chip")
+    big = MemoryFit("v4", 32 * GIB, 2, 10 * GIB, 0, 0, 7 * GIB, 0)
+    assert not big.fits and big.bytes_per_chip == 34 * GIB
+    assert str(big).startswith("will not fit: needs 34.0 GiB per v4 chip")
+    assert "x2 TensorCores per chip" in str(big) and "a v4 chip has 32.0 GiB of HBM (106% of it)" in str(big)
+    assert big.to_dict()["fits"] is False and CHIP_HBM_GIB == {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+
+
+def test_padded_bytes_follows_tpu_tiles():
+    class L:
+        def __init__(self, order, tiling):
+            self.major_to_minor, self.tiling = order, tiling
+
+    assert padded_bytes((32,), np.float32, L((0,), ((128,),))) == 512
+    assert padded_bytes((), np.int32, L((), ((128,),))) == 512
+    # (32, 4, 8) stored heads-major: physical (4, 8, 32), tiles of (8, 128).
+    assert padded_bytes((32, 4, 8), np.float32, L((1, 2, 0), ((8, 128),))) == 4 * 8 * 128 * 4
+    assert padded_bytes((64, 1000), jnp.bfloat16, L((0, 1), ((8, 128), (2, 1)))) == 64 * 1024 * 2
+    assert padded_bytes((3, 5), np.float32, None) == 60
+
+
+# --------------------------------------------------- presets, compiled for TPU
+@pytest.fixture(scope="module")
+def abstract_block():
+    def build():
+        model = Block(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    batch = {k: jax.ShapeDtypeStruct((64, SEQ), jnp.int32) for k in ("x", "y")}
+    return make_train_step(lm_loss), (model, optimizer, batch)
+
+
+def _argument_bytes(report) -> tuple[int, int]:
+    """(state, batch) bytes per device: each input's shard, in the compiled TPU layout."""
+    compiled = report.compiled
+    avals = jax.tree.leaves(compiled.in_avals[0])
+    formats = jax.tree.leaves(compiled.input_formats[0])
+    n_state = len(jax.tree.leaves(compiled.in_avals[0][0]))
+    sizes = []
+    for aval, fmt in zip(avals, formats, strict=True):
+        on_device = fmt.sharding.memory_kind in (None, "device")
+        shard = fmt.sharding.shard_shape(aval.shape)
+        sizes.append(padded_bytes(shard, aval.dtype, fmt.layout) if on_device else 0)
+    return sum(sizes[:n_state]), sum(sizes[n_state:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("topology", "num_slices"), TOPOLOGIES, ids=lambda v: str(v))
+def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
+    step, args = abstract_block
+    devices = dtensor.tpu_topology(topology, num_slices=num_slices)
+    for name in strategies.PRESET_NAMES:
+        strategy = strategies.from_name(name, devices=devices)
+        report = strategy.explain(step, args=args)
+        assert report.mesh == repr(strategy.mesh)
+        assert not [w for w in report.warnings if w.kind == "silent-replication"], name
+        # The compiled arguments are exactly the variables over their shards, plus the batch.
+        state, batch = _argument_bytes(report)
+        assert report.argument_bytes_per_device == state + batch, name
+        assert state >= report.state_bytes_per_device > 0
+        fit = report.memory_fit
+        assert fit is not None and fit.fits and fit.chip == topology.split(":")[0], name
+        # The two TensorCores of a v4 chip share its HBM (one_device uses one of them).
+        assert fit.devices_per_chip == (2 if topology.startswith("v4") and name != "one_device" else 1)
+        assert report.ici_bytes_per_device is not None and report.dcn_bytes_per_device is not None
+        assert report.ici_bytes_per_device + report.dcn_bytes_per_device == pytest.approx(
+            report.comm_bytes_per_device
+        )
+        if num_slices == 1 or name == "one_device":
+            assert report.dcn_bytes_per_device == 0, name
+        else:
+            assert report.dcn_bytes_per_device > 0, name
+
+
+def test_sharded_state_is_smaller_per_chip(abstract_block):
+    step, args = abstract_block
+    devices = dtensor.tpu_topology("v5e:4x4")
+    mirrored = strategies.from_name("mirrored", devices=devices).explain(step, args=args)
+    fsdp = strategies.from_name("fully_sharded", devices=devices).explain(step, args=args)
+    state_m, _ = _argument_bytes(mirrored)
+    state_f, _ = _argument_bytes(fsdp)
+    assert mirrored.state_bytes_per_device == sum(v.global_bytes for v in mirrored.variables)
+    assert fsdp.state_bytes_per_device < mirrored.state_bytes_per_device / 4
+    assert state_f < state_m
+
+
+@pytest.mark.slow
+def test_data_parallel_on_two_slices_crosses_dcn_once_per_step(abstract_block):
+    step, args = abstract_block
+    devices = dtensor.tpu_topology("v5e:4x4", num_slices=2)
+    grad_bytes = sum(
+        math.prod(v.shape) * np.dtype(v.dtype).itemsize
+        for v in jax.tree.leaves(nnx.state(args[0], nnx.Param))
+    )
+    for name, dcn_axis in (("multi_worker_mirrored", "worker"), ("tpu", "replica")):
+        strategy = strategies.from_name(name, devices=devices)
+        # The replica axis spans the slices: slice 0 is its first half.
+        slices = [d.slice_index for d in strategy.mesh.device_list]
+        assert slices == [0] * 16 + [1] * 16
+        report = strategy.explain(step, args=args)
+        dcn = [c for c in report.collectives if c.network == "dcn"]
+        assert dcn and {c.kind for c in dcn} == {"all-reduce"}, name
+        assert {c.count for c in dcn} == {1} and {c.group_size for c in dcn} == {2}
+        assert {c.mesh_axes for c in dcn} == {(dcn_axis,)}
+        # Each gradient byte crosses DCN at most once (a 2-slice all-reduce sends what it reduces).
+        assert 0 < report.dcn_bytes_per_device <= grad_bytes
+        assert report.dcn_bytes_per_device == sum(c.total_bytes_per_device for c in dcn)
+        assert all(c.network == "ici" for c in report.collectives if c not in dcn)
+        assert "over DCN (between slices)" in str(report)
+
+    # Sharding the variables over all 32 chips instead sends them across DCN, several times a step.
+    report = strategies.from_name("fully_sharded", devices=devices).explain(step, args=args)
+    kinds = {c.kind for c in report.collectives if c.network == "dcn"}
+    assert "all-gather" in kinds
+
+
+def test_too_large_for_hbm_under_mirrored_fits_fully_sharded():
+    width, layers = 16384, 5  # 5 GiB of float32 weights, 15 GiB with Adam's moments
+
+    class Deep(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    def build():
+        model = Deep(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
+    step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    devices = dtensor.tpu_topology("v5e:4x4")
+
+    # The TPU compiler itself refuses the replicated program: it exceeds the chip's HBM.
+    with pytest.raises(WillNotFitError, match=r"will not fit: the TPU compiler needs 1\d\.\d GiB .* but 15\.\d GiB of HBM") as err:
+        strategies.MirroredStrategy(devices).explain(step, args=(model, optimizer, batch))
+    assert err.value.required > err.value.available > 15 * GIB
+
+    sharded = strategies.FullyShardedStrategy(devices).explain(step, args=(model, optimizer, batch))
+    fit = sharded.memory_fit
+    assert fit.fits and fit.argument_bytes < 1.1 * GIB  # 15 GiB of state over 16 chips
+    assert str(fit).startswith("fits: ")
+    assert sharded.state_bytes_per_device == pytest.approx(3 * layers * width * width * 4 / 16, rel=1e-3)
