@@ -1,0 +1,396 @@
+"""TPU topologies without a TPU: real device objects for ahead-of-time compiles.
+
+With ``libtpu`` installed (``pip install "jax[tpu]"`` brings the matching
+one), :func:`tpu_topology` returns the devices of any Cloud TPU topology, on
+any machine, even with ``JAX_PLATFORMS=cpu``: they carry ``coords``,
+``core_on_chip``, ``process_index`` and (for several slices)
+``slice_index``, and ``jax.jit(...).lower(abstract args).compile()`` over a
+mesh of them runs the real TPU compiler. Pass them as ``devices=`` to
+:func:`dtensor.create_mesh`, :func:`dtensor.create_distributed_mesh` or any
+preset, then ask :func:`dtensor.explain` (or ``strategy.explain``) what the
+step costs per chip.
+
+:func:`memory_fit` sets a compiled program's per-device memory against the
+chip's HBM (:data:`CHIP_HBM_GIB`) and gives the verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CHIP_HBM_GIB",
+    "MemoryFit",
+    "TopologyError",
+    "WillNotFitError",
+    "chip_generation",
+    "memory_fit",
+    "padded_bytes",
+    "tpu_topology",
+]
+
+GIB = 1 << 30
+
+#: HBM per chip, GiB, by TPU generation.
+CHIP_HBM_GIB: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+
+# ``device_kind`` -> generation.
+_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
+
+_EXAMPLES = "'v5e:4x4', 'v5e:16x16', 'v4:2x2x2', 'v5p:2x2x2', 'v6e:4x4'"
+
+
+class TopologyError(ValueError):
+    """A TPU topology that libtpu cannot describe."""
+
+
+class WillNotFitError(ValueError):
+    """The TPU compiler refused a program: it needs more HBM per chip than the chip has.
+
+    ``required`` and ``available`` are XLA's figures in bytes (``None`` when
+    its message gives none); ``xla_message`` is its text.
+    """
+
+    def __init__(self, message: str, required: float | None, available: float | None, xla: str):
+        super().__init__(message)
+        self.required = required
+        self.available = available
+        self.xla_message = xla
+
+
+_SIZE = r"([0-9.]+)\s*([KMGT]i?B?|B)?"
+
+
+def _bytes(value: str, unit: str | None) -> float:
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get((unit or "B")[0], 1)
+    return float(value) * scale
+
+
+def out_of_memory(error: BaseException) -> WillNotFitError | None:
+    """The :class:`WillNotFitError` for the TPU compiler's out-of-HBM error, else ``None``.
+
+    Examples:
+        >>> from dtensor.tpu import out_of_memory
+        >>> err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        ...                    "required for HLO temporaries (16.00G) exceeds available HBM (15.75G).")
+        >>> print(out_of_memory(err))  # doctest: +ELLIPSIS
+        will not fit: the TPU compiler needs 16.0 GiB ... but 15.8 GiB of HBM is available per device...
+        >>> out_of_memory(ValueError("something else")) is None
+        True
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+        return None
+    xla = text.split("\n", 1)[0].strip()
+    req = re.search(r"required[^(]*\(" + _SIZE + r"\)", xla) or re.search(r"Used " + _SIZE, xla)
+    avail = re.search(r"available HBM \(" + _SIZE + r"\)", xla) or re.search(
+        r"Used [0-9.]+\s*\S* of " + _SIZE, xla
+    )
+    required = _bytes(req.group(1), req.group(2)) if req else None
+    available = _bytes(avail.group(1), avail.group(2)) if avail else None
+    need = f"needs {_human(required)} (for what it keeps live at once)" if required else "needs more"
+    have = f"{_human(available)} of HBM is available per device" if available else "the chip's HBM"
+    return WillNotFitError(
+        f"will not fit: the TPU compiler {need}, but {have}. Shard the variables "
+        "(FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips. "
+        f"(XLA: {xla})",
+        required,
+        available,
+        xla,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_libtpu() -> Iterator[None]:
+    """Tell libtpu there is no TPU VM to query (else it prints errors on first use).
+
+    Only where no TPU is attached, and only while the plugin starts; the
+    topology it then describes is the same either way.
+    """
+    attached = any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
+    quiet = {
+        # No TPU to guard: let several processes (pytest-xdist workers) load libtpu.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": "v5litepod-16",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+    }
+    added = [] if attached else [k for k in quiet if k not in os.environ]
+    for k in added:
+        os.environ[k] = quiet[k]
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+@functools.lru_cache(maxsize=32)
+def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
+    from jax._src.lib import _jax
+    from jax.experimental import topologies
+
+    try:
+        with _quiet_libtpu():
+            desc = topologies.get_topology_desc(
+                platform="tpu", topology_name=name, num_slices=num_slices
+            )
+    except RuntimeError as e:
+        if "lockfile" in str(e):
+            raise RuntimeError(
+                f"tpu_topology({name!r}): libtpu is in use by another process ({e}). Set "
+                "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in the environment of every process that compiles "
+                "for TPU topologies (dtensor sets it itself where no TPU is attached)."
+            ) from None
+        if isinstance(e, _jax.JaxRuntimeError):
+            detail = str(e).removeprefix("INVALID_ARGUMENT: ")
+            raise TopologyError(
+                f"tpu_topology({name!r}, num_slices={num_slices}) is not a topology libtpu "
+                f"can describe ({detail}). Name a generation and its chip grid, e.g. "
+                f"{_EXAMPLES} (v4/v5p grids are 3-D, v5e/v6e 2-D)."
+            ) from None
+        raise RuntimeError(
+            f"tpu_topology({name!r}) needs libtpu, which is not installed ({e}). Install the "
+            "one matching jax: pip install 'jax[tpu]==<your jax version>' (for jax 0.10.2: "
+            "pip install 'libtpu==0.0.42.*'), or pip install -e '.[dev]' in this project."
+        ) from None
+    return tuple(desc.devices)
+
+
+def tpu_topology(name: str, *, num_slices: int = 1) -> list[Any]:
+    """The devices of a Cloud TPU topology, from libtpu's compiler (no TPU needed).
+
+    Use them as ``devices=`` anywhere (:func:`dtensor.create_mesh`,
+    :func:`dtensor.create_distributed_mesh`, every preset) to compile for that
+    topology ahead of time; they cannot run anything. Calls with the same
+    arguments return the same device objects.
+
+    Args:
+        name: generation and chip grid, as Cloud TPU names them:
+            ``"v5e:4x4"`` (16 chips), ``"v5e:16x16"``, ``"v4:2x2x2"``,
+            ``"v5p:2x2x2"``, ``"v6e:4x4"``.
+        num_slices: how many such slices, joined by DCN (multislice); the
+            devices then carry ``slice_index``.
+
+    Returns:
+        The devices, slice by slice, each slice host by host.
+
+    Raises:
+        TopologyError: a name or slice count libtpu does not accept.
+        RuntimeError: libtpu is not installed.
+
+    Examples:
+        >>> import dtensor
+        >>> devices = dtensor.tpu_topology("v5e:4x4", num_slices=2)
+        >>> len(devices), devices[0].platform, devices[0].device_kind
+        (32, 'tpu', 'TPU v5 lite')
+        >>> sorted({d.slice_index for d in devices})
+        [0, 1]
+        >>> dtensor.create_mesh([("data", 2), ("model", 16)], devices=devices)
+        Mesh(data=2, model=16)
+    """
+    if not isinstance(name, str) or not name:
+        raise TopologyError(
+            f"tpu_topology(name={name!r}): the name must be a string such as {_EXAMPLES}."
+        )
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise TopologyError(
+            f"tpu_topology({name!r}, num_slices={num_slices!r}): num_slices must be a positive "
+            "integer (1 for one slice, 2+ for multislice over DCN)."
+        )
+    return list(_topology(name.strip(), num_slices))
+
+
+def chip_generation(devices: Sequence[Any]) -> str | None:
+    """``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"`` for TPU devices (``None`` otherwise).
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.tpu import chip_generation
+        >>> chip_generation(dtensor.tpu_topology("v4:2x2x2"))
+        'v4'
+    """
+    if not devices or devices[0].platform != "tpu":
+        return None
+    return _KINDS.get(devices[0].device_kind)
+
+
+def _devices_per_chip(devices: Sequence[Any]) -> int:
+    """How many devices (TensorCores) share one chip (2 on v4, else 1)."""
+    chips: dict[tuple[Any, ...], int] = {}
+    for d in devices:
+        key = (getattr(d, "slice_index", 0), tuple(getattr(d, "coords", (d.id,))))
+        chips[key] = chips.get(key, 0) + 1
+    return max(chips.values()) if chips else 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryFit:
+    """A compiled program's memory per chip against the chip's HBM.
+
+    The figures are XLA's (``memory_analysis()``), per device;
+    ``bytes_per_chip`` adds the devices that share a chip (the two
+    TensorCores of a v4 chip). A program needs ``arguments + outputs -
+    aliased + temporaries + code`` at its peak (outputs that reuse donated
+    arguments are counted once).
+
+    Examples:
+        >>> from dtensor.tpu import MemoryFit
+        >>> fit = MemoryFit("v5e", 16 << 30, 1, 20 << 30, 1 << 30, 1 << 30, 2 << 30, 0)
+        >>> fit.fits, round(fit.bytes_per_chip / 2**30, 1)
+        (False, 22.0)
+        >>> print(fit)
+        will not fit: needs 22.0 GiB per v5e chip (arguments 20.0 GiB + outputs 1.0 GiB - aliased 1.0 GiB + temporaries 2.0 GiB + code 0 B) but a v5e chip has 16.0 GiB of HBM (138% of it). Shard the variables (FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips.
+    """
+
+    chip: str
+    hbm_bytes_per_chip: int
+    devices_per_chip: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Peak bytes of one device: arguments + outputs - aliased + temporaries + code."""
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.code_bytes
+        )
+
+    @property
+    def bytes_per_chip(self) -> int:
+        """``bytes_per_device`` times the devices on one chip."""
+        return self.bytes_per_device * self.devices_per_chip
+
+    @property
+    def fits(self) -> bool:
+        """Whether ``bytes_per_chip`` is within the chip's HBM."""
+        return self.bytes_per_chip <= self.hbm_bytes_per_chip
+
+    @property
+    def fraction(self) -> float:
+        """``bytes_per_chip / hbm_bytes_per_chip``."""
+        return self.bytes_per_chip / self.hbm_bytes_per_chip
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys (the fields and the derived figures)."""
+        d = dataclasses.asdict(self)
+        d.update(
+            bytes_per_device=self.bytes_per_device,
+            bytes_per_chip=self.bytes_per_chip,
+            fits=self.fits,
+            fraction=self.fraction,
+        )
+        return dict(sorted(d.items()))
+
+    def __str__(self) -> str:
+        h = _human
+        parts = (
+            f"arguments {h(self.argument_bytes)} + outputs {h(self.output_bytes)} - aliased "
+            f"{h(self.alias_bytes)} + temporaries {h(self.temp_bytes)} + code {h(self.code_bytes)}"
+        )
+        if self.devices_per_chip > 1:
+            parts += f", x{self.devices_per_chip} TensorCores per chip"
+        need = f"{h(self.bytes_per_chip)} per {self.chip} chip ({parts})"
+        hbm = f"{h(self.hbm_bytes_per_chip)} of HBM ({self.fraction:.0%} of it)"
+        if self.fits:
+            return f"fits: {need} of the chip's {hbm}."
+        return (
+            f"will not fit: needs {need} but a {self.chip} chip has {hbm}. Shard the variables "
+            "(FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips."
+        )
+
+
+def memory_fit(memory_analysis: Any, devices: Sequence[Any]) -> MemoryFit | None:
+    """The per-chip memory of a compiled program against the HBM of ``devices``' chip.
+
+    Args:
+        memory_analysis: ``compiled.memory_analysis()`` (per device figures).
+        devices: the program's devices (TPU; e.g. from :func:`tpu_topology`).
+
+    Returns:
+        The :class:`MemoryFit`, or ``None`` for devices that are not a TPU
+        generation in :data:`CHIP_HBM_GIB` or without a memory analysis.
+    """
+    chip = chip_generation(list(devices))
+    if chip is None or memory_analysis is None:
+        return None
+
+    def get(field: str) -> int:
+        return int(getattr(memory_analysis, field, 0) or 0)
+
+    return MemoryFit(
+        chip=chip,
+        hbm_bytes_per_chip=int(CHIP_HBM_GIB[chip] * GIB),
+        devices_per_chip=_devices_per_chip(list(devices)),
+        argument_bytes=get("argument_size_in_bytes"),
+        output_bytes=get("output_size_in_bytes"),
+        alias_bytes=get("alias_size_in_bytes"),
+        temp_bytes=get("temp_size_in_bytes"),
+        code_bytes=get("generated_code_size_in_bytes"),
+    )
+
+
+def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
+    """Bytes of an array of ``shape`` stored in a compiled TPU ``layout`` (tiles padded).
+
+    TPU arrays are stored in tiles (``(8, 128)`` for float32 matrices), so a
+    small or odd-sized array occupies more than ``size * itemsize``; this is
+    what ``memory_analysis()`` counts. ``layout`` is a
+    ``jax.experimental.layout.Layout`` (``compiled.input_formats[...]
+    .layout``), with ``major_to_minor`` and ``tiling``; ``None`` or no tiling
+    means dense.
+
+    Examples:
+        >>> import numpy as np
+        >>> from types import SimpleNamespace as L
+        >>> from dtensor.tpu import padded_bytes
+        >>> padded_bytes((32,), np.float32, L(major_to_minor=(0,), tiling=((128,),)))
+        512
+        >>> padded_bytes((64, 1000), np.float32, L(major_to_minor=(0, 1), tiling=((8, 128),)))
+        262144
+    """
+    itemsize = np.dtype(dtype).itemsize
+    dims = [int(d) for d in shape]
+    order = tuple(getattr(layout, "major_to_minor", ()) or ())
+    tiling = tuple(getattr(layout, "tiling", ()) or ())
+    if layout is None or not tiling:
+        return math.prod(dims) * itemsize
+    physical = [dims[i] for i in order] if len(order) == len(dims) else dims
+    tile = tuple(int(t) for t in tiling[0])
+    physical = [1] * max(0, len(tile) - len(physical)) + physical
+    k = len(tile)
+    head, minor = physical[: len(physical) - k], physical[len(physical) - k :]
+    padded = [-(-d // t) * t for d, t in zip(minor, tile, strict=True)]
+    return math.prod(head) * math.prod(padded) * itemsize
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
