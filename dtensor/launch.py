@@ -78,9 +78,20 @@ def _status(code: int) -> int:
 
 
 def _command(cmd: Sequence[str]) -> list[str]:
+    """A script runs with this interpreter; so does a bare ``python``/``python3``
+    (the launcher's own environment, as ``jupyter_client`` does for kernels).
+
+    Examples:
+        >>> import sys
+        >>> from dtensor.launch import _command
+        >>> _command(["python", "train.py"])[0] == sys.executable
+        True
+    """
     cmd = list(cmd)
     if cmd and cmd[0].endswith(".py"):
         cmd.insert(0, sys.executable)
+    elif cmd and cmd[0] in ("python", "python3"):
+        cmd[0] = sys.executable
     return cmd
 
 

@@ -69,5 +69,5 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
 def render(renderable: Any, width: int = 110) -> str:
     """Render a rich object to plain text."""
     buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False, color_system=None).print(renderable)
+    Console(file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None).print(renderable)
     return buf.getvalue()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 240
 KERNEL = "dtensor-test-python"
+# Seconds on 2 busy CPU cores: 01 ~10, 02 ~35, 03 ~25 (three training processes), 04 ~20
+# (a two-process dtensor.launch job).
+MARKS = {
+    "02_strategies": [pytest.mark.slow],
+    "03_checkpoint_preemption": [pytest.mark.slow],
+    "04_multi_process": [pytest.mark.slow, pytest.mark.multiprocess],
+}
 
 
 def test_every_notebook_is_found():
@@ -38,7 +46,9 @@ def test_every_notebook_is_found():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_stored_as_generated_without_outputs(path):
-    make_notebooks = runpy.run_path(str(NOTEBOOK_DIR / "make_notebooks.py"), run_name="make_notebooks")
+    make_notebooks = runpy.run_path(
+        str(NOTEBOOK_DIR / "make_notebooks.py"), run_name="make_notebooks"
+    )
     stored = nbformat.read(path, as_version=4)
     for cell in stored.cells:
         if cell.cell_type == "code":
@@ -64,8 +74,9 @@ def _kernel_manager(tmp_path: Path) -> AsyncKernelManager:
     return AsyncKernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=MARKS.get(p.stem, []), id=p.stem) for p in NOTEBOOKS]
+)
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.prefix)"))
@@ -79,15 +90,20 @@ def test_notebook_runs(path, tmp_path):
         allow_errors=False,
         resources={"metadata": {"path": str(run_dir)}},
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The notebooks' temporary directories (checkpoints, scripts) land under tmp_path.
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path / "tmp"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     try:
         client.execute(env=env)
     except nbclient.exceptions.CellExecutionError as e:
-        pytest.fail(f"{path.name} failed:\n{str(e)[-4000:]}", pytrace=False)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # IPython's colours
+        pytest.fail(f"{path.name} failed:\n{text[-4000:]}", pytrace=False)
     last = "".join(o.get("text", "") for o in nb.cells[-1].outputs).strip()
     assert last == sys.prefix, "the kernel ran on another Python environment"
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert errors == []
     # Nothing was written next to the notebooks: they use temporary directories.
     assert sorted(p.name for p in NOTEBOOK_DIR.iterdir()) == before
