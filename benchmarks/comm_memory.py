@@ -50,7 +50,7 @@ def measure(preset: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     parser.add_argument("--features", type=int, default=256, help="MLP input/output width")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
     parser.add_argument("--batch", type=int, default=64, help="global batch (a multiple of 8)")

@@ -12,7 +12,7 @@ For ``fully_sharded`` the two programs differ: the preset gathers each
 parameter at its read (reduce-scattered gradients), while plain ``jax.jit``
 leaves the plan to XLA; its ratio measures that plan, not dispatch.
 
-    python -m benchmarks.overhead [--rounds 7] [--steps 20] [--hidden 512] [--batch 64]
+    python -m benchmarks.overhead [--rounds 7] [--steps 20] [--hidden 2048] [--batch 256]
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--features", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=64)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("--features", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
     parser.add_argument("--presets", default="all")

@@ -66,14 +66,17 @@ def device_groups(devices: Sequence[Any]) -> tuple[str, list[list[Any]]]:
         ('process_index', [8])
     """
     slices = {getattr(d, "slice_index", None) for d in devices}
-    has_slices = None not in slices
-    if has_slices and (devices[0].platform == "tpu" or len(slices) > 1):
+    tpu = devices[0].platform == "tpu"
+    # On TPU every host of one slice shares the ICI network: a device without a
+    # slice_index (a one-slice topology) belongs to slice 0.
+    if tpu or (None not in slices and len(slices) > 1):
         by = "slice_index"
     else:
         by = "process_index"
     groups: dict[int, list[Any]] = {}
     for d in devices:
-        groups.setdefault(int(getattr(d, by)), []).append(d)
+        key = getattr(d, by, None)
+        groups.setdefault(int(key) if key is not None else 0, []).append(d)
     return by, [groups[k] for k in sorted(groups)]
 
 

@@ -56,7 +56,9 @@ def sharded_axes(spec: PartitionSpec, axes: Sequence[str]) -> tuple[int, tuple[s
     return found[0] if found else None
 
 
-def gather_for_compute(x: jax.Array, spec: PartitionSpec, axes: Sequence[str], *, reduced: bool = True) -> jax.Array:
+def gather_for_compute(
+    x: jax.Array, spec: PartitionSpec, axes: Sequence[str], *, reduced: bool = True
+) -> jax.Array:
     """``x`` (laid out as ``spec``) whole on every device, its gradient reduce-scattered.
 
     Call inside :func:`explicit_region` (the ``axes`` must be Explicit). The
@@ -85,7 +87,9 @@ def gather_for_compute(x: jax.Array, spec: PartitionSpec, axes: Sequence[str], *
         return x
     dim, names = found
     if not reduced:
-        return jax.sharding.reshard(x, PartitionSpec(*[None if d == dim else e for d, e in enumerate(spec)]))
+        return jax.sharding.reshard(
+            x, PartitionSpec(*[None if d == dim else e for d, e in enumerate(spec)])
+        )
     return _gather(x, spec, dim, names)
 
 
@@ -94,20 +98,29 @@ def _gather(x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...])
     return _gather_fwd(x, spec, dim, names)[0]
 
 
-def _gather_fwd(x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...]) -> tuple[jax.Array, None]:
-    whole = PartitionSpec(*[None if d == dim else s for d, s in enumerate(spec)], reduced=set(names))
+def _gather_fwd(
+    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...]
+) -> tuple[jax.Array, None]:
+    whole = PartitionSpec(
+        *[None if d == dim else s for d, s in enumerate(spec)], reduced=frozenset(names)
+    )
     return jax.sharding.reshard(x, whole), None
 
 
-def _gather_bwd(spec: PartitionSpec, dim: int, names: tuple[str, ...], _: None, ct: jax.Array) -> tuple[jax.Array]:
+def _gather_bwd(
+    spec: PartitionSpec, dim: int, names: tuple[str, ...], _: None, ct: jax.Array
+) -> tuple[jax.Array]:
     others = [None if d == dim else s for d, s in enumerate(spec)]
-    unreduced = set(jax.typeof(ct).sharding.spec.unreduced)
+    unreduced = frozenset(jax.typeof(ct).sharding.spec.unreduced)
     axis = names[0] if len(names) == 1 else names
     if unreduced >= set(names):  # per-device partial sums: one reduce-scatter
         scatter = jax.shard_map(
             lambda c: jax.lax.psum_scatter(c, axis, scatter_dimension=dim, tiled=True),
             in_specs=PartitionSpec(*others, unreduced=unreduced),
-            out_specs=PartitionSpec(*[s if d != dim else axis for d, s in enumerate(spec)], unreduced=unreduced - set(names)),
+            out_specs=PartitionSpec(
+                *[s if d != dim else axis for d, s in enumerate(spec)],
+                unreduced=unreduced - frozenset(names),
+            ),
             axis_names=set(names),
         )
         return (scatter(ct),)
@@ -117,7 +130,9 @@ def _gather_bwd(spec: PartitionSpec, dim: int, names: tuple[str, ...], _: None, 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def explicit_region(fn: Callable[..., Any], axes: Sequence[str], in_specs: Any) -> Callable[..., Any]:
+def explicit_region(
+    fn: Callable[..., Any], axes: Sequence[str], in_specs: Any
+) -> Callable[..., Any]:
     """``fn`` traced with the mesh axes ``axes`` Explicit, its arguments resharded to ``in_specs``.
 
     For use inside ``jax.jit`` under a context mesh (``jax.set_mesh``) with
@@ -141,7 +156,17 @@ _TAG = "dtensor_fsdp_read_"
 
 # Ops that only move or relabel a value: what consumes their output decides.
 _TRANSPARENT = frozenset(
-    {"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p", "name"}
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+        "name",
+    }
 )
 
 
@@ -153,7 +178,9 @@ def _tag(x: jax.Array, key: int) -> jax.Array:
 
 
 @_tag.defjvp
-def _tag_jvp(key: int, primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _tag_jvp(
+    key: int, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
     return _tag(primals[0], key), tangents[0]  # tag the primal only
 
 
@@ -196,7 +223,9 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     return subs
 
 
-def _walk(jaxpr: Any, env: dict[Any, frozenset[int]], ok: dict[int, bool]) -> dict[Any, frozenset[int]]:
+def _walk(
+    jaxpr: Any, env: dict[Any, frozenset[int]], ok: dict[int, bool]
+) -> dict[Any, frozenset[int]]:
     def tags_of(v: Any) -> frozenset[int]:
         return env.get(v, frozenset()) if not hasattr(v, "val") else frozenset()
 
@@ -223,14 +252,27 @@ def _walk(jaxpr: Any, env: dict[Any, frozenset[int]], ok: dict[int, bool]) -> di
         if subs and prim not in ("scan", "while", "cond"):
             inner = subs[0]
             if len(inner.invars) == len(eqn.invars):
-                inner_env = {iv: tags_of(ov) for iv, ov in zip(inner.invars, eqn.invars, strict=True)}
+                inner_env = {
+                    iv: tags_of(ov) for iv, ov in zip(inner.invars, eqn.invars, strict=True)
+                }
                 inner_env = _walk(inner, inner_env, ok)
                 for sub in subs[1:]:  # e.g. a custom rule's jaxpr: same inputs
                     if len(sub.invars) == len(eqn.invars):
-                        _walk(sub, {iv: tags_of(ov) for iv, ov in zip(sub.invars, eqn.invars, strict=True)}, ok)
+                        _walk(
+                            sub,
+                            {
+                                iv: tags_of(ov)
+                                for iv, ov in zip(sub.invars, eqn.invars, strict=True)
+                            },
+                            ok,
+                        )
                 if len(inner.outvars) == len(eqn.outvars):
                     for out, iout in zip(eqn.outvars, inner.outvars, strict=True):
-                        env[out] = inner_env.get(iout, frozenset()) if not hasattr(iout, "val") else frozenset()
+                        env[out] = (
+                            inner_env.get(iout, frozenset())
+                            if not hasattr(iout, "val")
+                            else frozenset()
+                        )
                     continue
         if subs:  # control flow, or a nesting we cannot map: reads inside count as non-matmul
             for sub in subs:

@@ -566,9 +566,7 @@ class _Network:
         return [heads[s] for s in sorted(heads)]
 
 
-def _dcn_transfer(
-    ins: _Instr, count: int, mesh_shape: Any, net: _Network
-) -> list[Collective]:
+def _dcn_transfer(ins: _Instr, count: int, mesh_shape: Any, net: _Network) -> list[Collective]:
     """A megascale ``send``: one collective across slices, of what each device sends."""
     m = re.search(rf'{_MEGASCALE}="([A-Z_]+)"', ins.rest)
     kind = _DCN_KINDS.get(m.group(1) if m else "", "collective-permute")

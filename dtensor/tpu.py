@@ -105,7 +105,9 @@ def out_of_memory(error: BaseException) -> WillNotFitError | None:
     )
     required = _bytes(req.group(1), req.group(2)) if req else None
     available = _bytes(avail.group(1), avail.group(2)) if avail else None
-    need = f"needs {_human(required)} (for what it keeps live at once)" if required else "needs more"
+    need = (
+        f"needs {_human(required)} (for what it keeps live at once)" if required else "needs more"
+    )
     have = f"{_human(available)} of HBM is available per device" if available else "the chip's HBM"
     return WillNotFitError(
         f"will not fit: the TPU compiler {need}, but {have}. Shard the variables "
@@ -376,7 +378,7 @@ def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
     itemsize = np.dtype(dtype).itemsize
     dims = [int(d) for d in shape]
     order = tuple(getattr(layout, "major_to_minor", ()) or ())
-    tiling = tuple(getattr(layout, "tiling", ()) or ())
+    tiling: tuple[Any, ...] = tuple(getattr(layout, "tiling", ()) or ())
     if layout is None or not tiling:
         return math.prod(dims) * itemsize
     physical = [dims[i] for i in order] if len(order) == len(dims) else dims

@@ -36,7 +36,11 @@ def shard_largest_dim(specs: list[Any], shape: Sequence[int], axis: str, size: i
         >>> shard_largest_dim([None], (6,), "fsdp", 8)
         [None]
     """
-    candidates = [d for d in range(len(shape)) if specs[d] is None and shape[d] % size == 0 and shape[d] >= size]
+    candidates = [
+        d
+        for d in range(len(shape))
+        if specs[d] is None and shape[d] % size == 0 and shape[d] >= size
+    ]
     if not candidates or size <= 1:
         return specs
     best = max(candidates, key=lambda d: (shape[d], -d))
@@ -79,14 +83,22 @@ class FullyShardedStrategy(Strategy):
     shards_variables = True
 
     def __init__(
-        self, devices: Sequence[Any] | None = None, *, min_shard_bytes: int = 16 << 10, gather_at_read: bool = True
+        self,
+        devices: Sequence[Any] | None = None,
+        *,
+        min_shard_bytes: int = 16 << 10,
+        gather_at_read: bool = True,
     ) -> None:
         if min_shard_bytes < 0:
-            raise ValueError(f"min_shard_bytes={min_shard_bytes} is negative; use 0 to shard every variable.")
+            raise ValueError(
+                f"min_shard_bytes={min_shard_bytes} is negative; use 0 to shard every variable."
+            )
         self.min_shard_bytes = min_shard_bytes
         self.gather_at_read = gather_at_read
         devices = list(devices) if devices is not None else jax.devices()
-        super().__init__(dtensor.create_mesh([("fsdp", len(devices))], devices=devices), batch_axes=("fsdp",))
+        super().__init__(
+            dtensor.create_mesh([("fsdp", len(devices))], devices=devices), batch_axes=("fsdp",)
+        )
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
         shape = np.shape(_value(leaf))
@@ -96,13 +108,21 @@ class FullyShardedStrategy(Strategy):
         return Layout(specs, self.mesh)
 
     def _trace_step(
-        self, call: Callable[[Any, list[Any]], Any], state: Any, arrays: list[Any], layouts: Any, shardings: list[Any]
+        self,
+        call: Callable[[Any, list[Any]], Any],
+        state: Any,
+        arrays: list[Any],
+        layouts: Any,
+        shardings: list[Any],
     ) -> Any:
         specs = self._explicit_specs(state, layouts, shardings) if self.gather_at_read else None
         if specs is None:
             return call(state, arrays)
         axes = self.batch_axes
-        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(self.mesh.jax_mesh.abstract_mesh):
+        with (
+            warnings.catch_warnings(),
+            jax.sharding.use_abstract_mesh(self.mesh.jax_mesh.abstract_mesh),
+        ):
             warnings.filterwarnings("ignore", message="Variable hooks are deprecated")
             # Probe: which reads feed matmuls only (those can be gathered `reduced`).
             probe = _with_hooks(call, layouts, axes, lambda key, value, spec: tag_read(value, key))
@@ -113,9 +133,13 @@ class FullyShardedStrategy(Strategy):
 
             try:
                 with _embed_lookups_follow_batch():
-                    return explicit_region(_with_hooks(call, layouts, axes, gather), axes, specs)(state, arrays)
+                    return explicit_region(_with_hooks(call, layouts, axes, gather), axes, specs)(
+                        state, arrays
+                    )
             except Exception as err:  # noqa: BLE001 - user code that Explicit axes reject: XLA's plan
-                _log.info("FullyShardedStrategy: gather-at-read plan failed (%s); leaving it to XLA.", err)
+                _log.info(
+                    "FullyShardedStrategy: gather-at-read plan failed (%s); leaving it to XLA.", err
+                )
         return call(state, arrays)
 
     def _explicit_specs(self, state: Any, layouts: Any, shardings: list[Any]) -> Any:
@@ -131,15 +155,21 @@ class FullyShardedStrategy(Strategy):
             if not isinstance(sharding, NamedSharding) or sharding.mesh != self.mesh.jax_mesh:
                 return None
             spec = tuple(sharding.spec)
-            if any(entry is not None for entry in spec[1:]) or (spec and spec[0] not in (None, *self.batch_axes)):
+            if any(entry is not None for entry in spec[1:]) or (
+                spec and spec[0] not in (None, *self.batch_axes)
+            ):
                 return None
             array_specs.append(sharding.spec)
         found = jax.tree.leaves(
-            jax.tree.map(lambda _, lay: isinstance(lay, Layout), state, layouts, is_leaf=_var_or_layout)
+            jax.tree.map(
+                lambda _, lay: isinstance(lay, Layout), state, layouts, is_leaf=_var_or_layout
+            )
         )
         if not all(found):
             return None
-        state_specs = jax.tree.map(lambda _, lay: lay.partition_spec, state, layouts, is_leaf=_var_or_layout)
+        state_specs = jax.tree.map(
+            lambda _, lay: lay.partition_spec, state, layouts, is_leaf=_var_or_layout
+        )
         return state_specs, array_specs
 
 
@@ -188,14 +218,25 @@ def _with_hooks(
 
     def step(state: Any, arrays: list[Any]) -> Any:
         counter = iter(range(1 << 62))
-        state = jax.tree.map(lambda var, lay: _attach(var, lay, next(counter), axes, gather), state, layouts, is_leaf=_var_or_layout)
+        state = jax.tree.map(
+            lambda var, lay: _attach(var, lay, next(counter), axes, gather),
+            state,
+            layouts,
+            is_leaf=_var_or_layout,
+        )
         new_state, out = call(state, arrays)
         return _without_hook(new_state), _without_hook(out)
 
     return step
 
 
-def _attach(var: Any, layout: Any, key: int, axes: tuple[str, ...], gather: Callable[[int, Any, PartitionSpec], Any]) -> Any:
+def _attach(
+    var: Any,
+    layout: Any,
+    key: int,
+    axes: tuple[str, ...],
+    gather: Callable[[int, Any, PartitionSpec], Any],
+) -> Any:
     if not isinstance(var, nnx.Variable) or not isinstance(layout, Layout):
         return var
     if not any(a in axes for d in range(layout.rank) for a in layout.axes(d)):

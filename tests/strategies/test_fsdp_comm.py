@@ -18,7 +18,16 @@ from jax.sharding import PartitionSpec as P
 
 import strategies
 from dtensor.fsdp_ops import matmul_only_reads, sharded_axes, tag_read
-from tests.models import Block, MLPModel, lm_batches, lm_loss, make_train_step, mlp_batches, mlp_loss, rel_err
+from tests.models import (
+    Block,
+    MLPModel,
+    lm_batches,
+    lm_loss,
+    make_train_step,
+    mlp_batches,
+    mlp_loss,
+    rel_err,
+)
 
 N = 8
 RING = (N - 1) / N

@@ -1,0 +1,33 @@
+"""Run every benchmark (``make bench``): comm_memory, overhead, peers, then the plot.
+
+    python -m benchmarks.run_all [--quick] [--out DIR]
+
+``--quick`` uses tiny settings (a smoke run, about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import comm_memory, common, overhead, peers, plot
+
+QUICK = ["--features=16", "--hidden=64", "--batch=16"]
+QUICK_TIMED = [*QUICK, "--rounds=2", "--steps=3"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    common.ensure_devices()
+    out = ["--out", str(args.out)] if args.out else []
+    comm_memory.main([*(QUICK if args.quick else []), *out])
+    overhead.main([*(QUICK_TIMED if args.quick else []), *out])
+    peers.main([*(QUICK_TIMED if args.quick else []), *out])
+    plot.main(["--results", str(args.out or common.RESULTS)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Smoke test: each benchmark script runs with tiny settings and writes valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import comm_memory, overhead, peers, plot
+
+TINY = ["--features=16", "--hidden=64", "--batch=16"]
+
+
+@pytest.mark.slow
+def test_benchmarks_write_json_and_a_plot(tmp_path):
+    comm_memory.main([*TINY, "--presets=mirrored,fully_sharded", "--out", str(tmp_path)])
+    overhead.main([*TINY, "--presets=one_device,fully_sharded", "--rounds=2", "--steps=2", "--out", str(tmp_path)])
+    peers.main([*TINY, "--rounds=1", "--steps=2", "--out", str(tmp_path)])
+
+    comm = json.loads((tmp_path / "comm_memory.json").read_text())
+    assert comm["benchmark"] == "comm_memory"
+    by = {(r["preset"], r["model"]): r for r in comm["results"]}
+    assert set(by) == {(p, m) for p in ("mirrored", "fully_sharded") for m in ("mlp", "transformer")}
+    assert by["fully_sharded", "transformer"]["comm_ratio"] <= 1.05
+    assert by["mirrored", "mlp"]["comm_ratio"] <= 1.02
+    assert "reduce-scatter" in by["fully_sharded", "mlp"]["by_kind"]
+
+    over = json.loads((tmp_path / "overhead.json").read_text())
+    assert [r["preset"] for r in over["results"]] == ["one_device", "fully_sharded"]
+    for r in over["results"]:
+        assert len(r["ratios"]) == 2 and r["ratio"]["min"] <= r["ratio"]["median"] <= r["ratio"]["max"]
+
+    peer = {r["peer"]: r for r in json.loads((tmp_path / "peers.json").read_text())["results"]}
+    assert peer["raw_jax_jit"]["ratio_to_raw_jit"] == 1.0
+    assert peer["keras_data_parallel_jax"]["status"] in {"ok", "not installed", "failed"}
+    assert peer["tf_mirrored_strategy"]["status"] in {"ok", "not installed", "failed"}
+
+    png = plot.main(["--results", str(tmp_path)])
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
