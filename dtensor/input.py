@@ -49,7 +49,11 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
 
     def pad(x: Any) -> np.ndarray:
         x = np.asarray(x)
-        return np.concatenate([x, np.zeros((padded - rows, *x.shape[1:]), x.dtype)]) if padded > rows else x
+        return (
+            np.concatenate([x, np.zeros((padded - rows, *x.shape[1:]), x.dtype)])
+            if padded > rows
+            else x
+        )
 
     weights = np.zeros((padded,), np.float32)
     weights[:rows] = 1.0
@@ -134,10 +138,13 @@ class DTensorDataset:
             return jax.tree.map(lambda _: self.layouts, batch)
         if self.layouts is not None:
             return self.layouts
+        batch_dim = self.batch_dim if self.batch_dim is not None else self.mesh.dim_names[0]
         return jax.tree.map(
-            lambda x: Layout.batch_sharded(self.mesh, self.batch_dim, np.ndim(x))
-            if np.ndim(x) > 0
-            else Layout.replicated(self.mesh, 0),
+            lambda x: (
+                Layout.batch_sharded(self.mesh, batch_dim, np.ndim(x))
+                if np.ndim(x) > 0
+                else Layout.replicated(self.mesh, 0)
+            ),
             batch,
         )
 
@@ -147,14 +154,26 @@ class DTensorDataset:
         procs = jax.process_count() if self.process_local else 1
         global_rows = rows * procs
         # With pad, a short (last) batch is padded up to the full global batch: one shape, one compile.
-        short = self.pad and self.global_batch_size is not None and global_rows < self.global_batch_size
-        if self.global_batch_size is not None and global_rows != self.global_batch_size and not short:
-            what = f"{rows} rows per process x {procs} processes" if self.process_local else f"{rows} rows"
+        short = (
+            self.pad and self.global_batch_size is not None and global_rows < self.global_batch_size
+        )
+        if (
+            self.global_batch_size is not None
+            and global_rows != self.global_batch_size
+            and not short
+        ):
+            what = (
+                f"{rows} rows per process x {procs} processes"
+                if self.process_local
+                else f"{rows} rows"
+            )
             raise LayoutError(
                 f"a batch has {what} but global_batch_size is {self.global_batch_size}. Make every "
                 "element hold the global batch (or, with process_local=True, its share)."
             )
-        target = self.global_batch_size if short else global_rows
+        target = (
+            self.global_batch_size if short and self.global_batch_size is not None else global_rows
+        )
         if target % self.num_shards:
             if not self.pad:
                 raise LayoutError(
@@ -175,10 +194,17 @@ class DTensorDataset:
                 f"the layouts tree has {len(lay)} leaves but a batch has {len(leaves)}; give one "
                 "layout per array."
             )
-        out = [self._place_leaf(x, layout, jax.tree_util.keystr(path)) for (path, x), layout in zip(leaves, lay, strict=True)]
+        out = [
+            self._place_leaf(x, layout, jax.tree_util.keystr(path))
+            for (path, x), layout in zip(leaves, lay, strict=True)
+        ]
         placed = treedef.unflatten(out)
         if weights is not None:
-            wl = Layout.batch_sharded(self.mesh, self.batch_dim, 1) if self.batch_dim else Layout.replicated(self.mesh, 1)
+            wl = (
+                Layout.batch_sharded(self.mesh, self.batch_dim, 1)
+                if self.batch_dim
+                else Layout.replicated(self.mesh, 1)
+            )
             return placed, self._place_leaf(weights, wl, "weights")
         return placed
 
@@ -205,7 +231,9 @@ class DTensorDataset:
 
 def _is_array_tree(x: Any) -> bool:
     leaves = jax.tree.leaves(x)
-    return bool(leaves) and all(isinstance(v, np.ndarray) for v in leaves) and not isinstance(x, list)
+    return (
+        bool(leaves) and all(isinstance(v, np.ndarray) for v in leaves) and not isinstance(x, list)
+    )
 
 
 class _ArrayBatches:

@@ -551,7 +551,9 @@ def _render(report: Report) -> str:
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False, force_jupyter=False)
+    console = Console(
+        file=io.StringIO(), width=120, color_system=None, force_terminal=False, force_jupyter=False
+    )
     ratio = report.comm_ratio
     summary = Table(title=f"dtensor.explain on {report.mesh or 'one device'}", show_header=False)
     summary.add_column("figure")

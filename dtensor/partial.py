@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -88,7 +89,7 @@ def unreduced_sharding(layout: Layout) -> NamedSharding:
     """The native ``NamedSharding`` (with ``unreduced=``) of a partial layout."""
     spec = [None if s == UNSHARDED else s for s in layout.sharding_specs]
     return NamedSharding(
-        layout.mesh.jax_mesh, PartitionSpec(*spec, unreduced=set(layout.partial_axes))
+        layout.mesh.jax_mesh, PartitionSpec(*spec, unreduced=frozenset(layout.partial_axes))
     )
 
 

@@ -46,7 +46,9 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)
     lay = jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout) or v is None)
     rule_leaves = (
-        jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str)) if rules is not None else [None] * len(lay)
+        jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
+        if rules is not None
+        else [None] * len(lay)
     )
     table = Table(title=title)
     for col in ("path", "shape", "dtype", "layout", "rule", "per device"):
@@ -60,14 +62,24 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
         per = math.prod(layout.local_shape(shape)) * np.dtype(value.dtype).itemsize
         total += per
         specs = ", ".join(s if isinstance(s, str) else "+".join(s) for s in layout.sharding_specs)
-        cells = (path_str(path), str(shape), str(np.dtype(value.dtype)), f"[{specs}]", rule or "-", _human(per))
+        cells = (
+            path_str(path),
+            str(shape),
+            str(np.dtype(value.dtype)),
+            f"[{specs}]",
+            rule or "-",
+            _human(per),
+        )
         table.add_row(*(Text(c) for c in cells))
-    table.caption = f"{layout.mesh!r}; {_human(total)} per device" if lay else None
+    meshes = [lay_.mesh for lay_ in lay if lay_ is not None]
+    table.caption = f"{meshes[0]!r}; {_human(total)} per device" if meshes else None
     return table
 
 
 def render(renderable: Any, width: int = 110) -> str:
     """Render a rich object to plain text."""
     buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None).print(renderable)
+    Console(
+        file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None
+    ).print(renderable)
     return buf.getvalue()

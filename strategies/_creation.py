@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.core
 from flax import nnx
 from flax.nnx import pytreelib
 
@@ -36,7 +37,11 @@ def _wrapped_call(cls: Any, *args: Any, **kwargs: Any) -> Any:
         obj = _original_call(cls, *args, **kwargs)
     finally:
         _local.depth -= 1
-    if _local.depth == 0 and isinstance(obj, nnx.Module | nnx.Optimizer) and not isinstance(obj, nnx.Rngs):
+    if (
+        _local.depth == 0
+        and isinstance(obj, nnx.Module | nnx.Optimizer)
+        and not isinstance(obj, nnx.Rngs)
+    ):
         leaves = jax.tree.leaves(nnx.state(obj))
         if leaves and not any(isinstance(v, jax.core.Tracer) for v in leaves):
             strategy.distribute_variables(obj)

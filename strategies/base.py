@@ -20,7 +20,7 @@ from flax import nnx
 
 import dtensor
 from dtensor import Layout, LayoutError, Mesh, ReduceOp
-from dtensor.rules import ResolvedLayout, path_str
+from dtensor.rules import ResolvedLayout
 
 from . import _creation
 from .values import InputContext, PerReplica, ReplicaContext, ValueContext
@@ -93,8 +93,12 @@ class Strategy:
     """
 
     name: str = "strategy"
-    shards_variables: bool = False  # whether the preset means to split variables (explain warns otherwise)
-    gradient_reduction: Any = None  # explicit cross-device ops (None: XLA's all-reduce of the global step)
+    shards_variables: bool = (
+        False  # whether the preset means to split variables (explain warns otherwise)
+    )
+    gradient_reduction: Any = (
+        None  # explicit cross-device ops (None: XLA's all-reduce of the global step)
+    )
 
     def __init__(
         self,
@@ -226,7 +230,9 @@ class Strategy:
             abstract = nnx.eval_shape(factory)
             is_nnx = _is_node(abstract)
             graphdef, abstract_state = nnx.split(abstract) if is_nnx else (None, abstract)
-            layouts, _ = dtensor.resolve_layouts(abstract_state, self.storage_layout_fn, mesh=self.mesh)
+            layouts, _ = dtensor.resolve_layouts(
+                abstract_state, self.storage_layout_fn, mesh=self.mesh
+            )
             shardings = jax.tree.map(
                 lambda lay: lay.sharding, layouts, is_leaf=lambda v: isinstance(v, Layout)
             )
@@ -237,10 +243,12 @@ class Strategy:
 
         # Compile under the mesh the variables are stored on (CentralStorage keeps
         # them off the compute mesh; jit rejects a context mesh that differs).
-        meshes = {lay.mesh for lay in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))}
+        meshes = {
+            lay.mesh for lay in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))
+        }
         with meshes.pop() if len(meshes) == 1 else self.mesh, nnx.use_eager_sharding(False):
             state = jax.jit(init, out_shardings=shardings)()
-        return nnx.merge(graphdef, state) if is_nnx else state
+        return nnx.merge(graphdef, state) if graphdef is not None else state
 
     # -------------------------------------------------------------------- run
     def run(
@@ -304,7 +312,12 @@ class Strategy:
         return state
 
     def _prepare(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, per_replica: bool
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        per_replica: bool,
     ) -> tuple[Any, Any, list[Any], list[Any]]:
         flat, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_node)
         nodes = [v for v in flat if _is_node(v)]
@@ -315,7 +328,12 @@ class Strategy:
             state = self._place_state(state, state_layouts)
         kinds: list[Any] = []
         arrays: list[Any] = []
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_node)[0]]
+        paths = [
+            p
+            for p, _ in jax.tree_util.tree_flatten_with_path(
+                (tuple(args), kwargs), is_leaf=_is_node
+            )[0]
+        ]
         for path, v in zip(paths, flat, strict=True):
             if _is_node(v):
                 kinds.append(_NODE)
@@ -329,7 +347,9 @@ class Strategy:
         key = (fn, per_replica, treedef, graphdef, tuple(kinds), sig)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compile(fn, treedef, graphdef, kinds, state_layouts, arrays, per_replica)
+            compiled = self._compile(
+                fn, treedef, graphdef, kinds, state_layouts, arrays, per_replica
+            )
             self._compiled[key] = compiled
         if nodes:
             state = self._to_compute(state, state_layouts)
@@ -402,10 +422,17 @@ class Strategy:
         def call(state: Any, arrays: list[Any]) -> Any:
             nodes = iter(nnx.merge(graphdef, state) if graphdef is not None else ())
             values = iter(arrays)
-            flat = [next(nodes) if k is _NODE else next(values) if k is _ARRAY else k.value for k in kinds]
+            flat = [
+                next(nodes) if k is _NODE else next(values) if k is _ARRAY else k.value
+                for k in kinds
+            ]
             args, kwargs = jax.tree.unflatten(treedef, flat)
             out = fn(*args, **kwargs)
-            new_state = nnx.state(tuple(v for v, k in zip(flat, kinds, strict=True) if k is _NODE)) if graphdef is not None else None
+            new_state = (
+                nnx.state(tuple(v for v, k in zip(flat, kinds, strict=True) if k is _NODE))
+                if graphdef is not None
+                else None
+            )
             return new_state, out
 
         if reduction is not None:
@@ -423,7 +450,12 @@ class Strategy:
         return self._per_replica(call, state_layouts, arrays, graphdef is not None)
 
     def _trace_step(
-        self, call: Callable[[Any, list[Any]], Any], state: Any, arrays: list[Any], layouts: Any, shardings: list[Any]
+        self,
+        call: Callable[[Any, list[Any]], Any],
+        state: Any,
+        arrays: list[Any],
+        layouts: Any,
+        shardings: list[Any],
     ) -> Any:
         """Trace one global-mode step: ``call(state, arrays) -> (new_state, out)``.
 
@@ -446,7 +478,9 @@ class Strategy:
     def _compute_layout(self, storage: Layout) -> Layout:
         return storage
 
-    def _per_replica(self, call: Any, state_layouts: Any, leaves: list[Any], has_state: bool) -> Any:
+    def _per_replica(
+        self, call: Any, state_layouts: Any, leaves: list[Any], has_state: bool
+    ) -> Any:
         if not self.batch_axes:
             axes: tuple[str, ...] = ()
         else:
@@ -461,7 +495,9 @@ class Strategy:
                     )
         spec_axes = axes[0] if len(axes) == 1 else axes
         batch_spec = jax.sharding.PartitionSpec(spec_axes) if axes else jax.sharding.PartitionSpec()
-        leaf_specs = [batch_spec if np.ndim(v) > 0 else jax.sharding.PartitionSpec() for v in leaves]
+        leaf_specs = [
+            batch_spec if np.ndim(v) > 0 else jax.sharding.PartitionSpec() for v in leaves
+        ]
         n = self.num_replicas_in_sync
         strategy = self
 
@@ -491,7 +527,12 @@ class Strategy:
         return jax.jit(pure, donate_argnums=(0,) if has_state else ())
 
     # --------------------------------------------------------------- explain
-    def explain(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def explain(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         """The :func:`dtensor.explain` report of what :meth:`run` compiles for these arguments.
 
         Arguments may be abstract (``jax.ShapeDtypeStruct`` trees, or models
@@ -508,7 +549,11 @@ class Strategy:
             layouts = self._state_layouts(graphdef, state)
             _, rules = dtensor.resolve_layouts(state, self._node_relative, mesh=self.mesh)
             state = jax.tree.map(
-                lambda var, lay: var if lay is None else _replace(var, _abstract(_value(var), self._compute_layout(lay))),
+                lambda var, lay: (
+                    var
+                    if lay is None
+                    else _replace(var, _abstract(_value(var), self._compute_layout(lay)))
+                ),
                 state,
                 layouts,
                 is_leaf=_var_or_layout,
@@ -520,7 +565,9 @@ class Strategy:
                 kinds.append(_NODE)
             elif _is_array(v) or isinstance(v, jax.ShapeDtypeStruct):
                 sharding = getattr(v, "sharding", None)
-                on_mesh = isinstance(sharding, jax.sharding.NamedSharding) and isinstance(v, jax.ShapeDtypeStruct | jax.Array)
+                on_mesh = isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+                    v, jax.ShapeDtypeStruct | jax.Array
+                )
                 arrays.append(v if on_mesh else _abstract(v, self.batch_layout(len(np.shape(v)))))
                 kinds.append(_ARRAY)
             else:
@@ -557,7 +604,12 @@ class Strategy:
             (28.0, 7.0)
         """
         op = ReduceOp.parse(op)
-        fns = {ReduceOp.SUM: jnp.sum, ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}
+        fns = {
+            ReduceOp.SUM: jnp.sum,
+            ReduceOp.MEAN: jnp.mean,
+            ReduceOp.MAX: jnp.max,
+            ReduceOp.MIN: jnp.min,
+        }
         reducer = fns[op]
 
         def one(v: Any) -> Any:
@@ -592,7 +644,9 @@ class Strategy:
         return jax.tree.map(one, value, is_leaf=lambda v: isinstance(v, PerReplica))
 
     # ---------------------------------------------------------------- values
-    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
         """Call ``value_fn`` once per replica and hold the results as :class:`PerReplica` values."""
         n = self.num_replicas_in_sync
         per = [value_fn(ValueContext(i, n)) for i in range(n)]
@@ -601,7 +655,9 @@ class Strategy:
         return jax.tree.map(lambda x: PerReplica(dtensor.copy_to_mesh(x, layout_of(x))), stacked)
 
     # --------------------------------------------------------------- datasets
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], *, pad: bool = False, prefetch: int = 2) -> dtensor.DTensorDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], *, pad: bool = False, prefetch: int = 2
+    ) -> dtensor.DTensorDataset:
         """Each element (a pytree of host arrays: the *global* batch) as global arrays in the batch layout.
 
         With ``pad=True`` a batch whose rows do not divide over the replicas is
@@ -615,10 +671,16 @@ class Strategy:
             >>> [b["x"].shape for b in s.experimental_distribute_dataset(batches)]
             [(16, 3), (16, 3)]
         """
-        return dtensor.DTensorDataset(dataset, self.mesh, batch_dim=self._batch_dim, prefetch=prefetch, pad=pad)
+        return dtensor.DTensorDataset(
+            dataset, self.mesh, batch_dim=self._batch_dim, prefetch=prefetch, pad=pad
+        )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Iterable[Any]], *, pad: bool = False, prefetch: int = 2
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        *,
+        pad: bool = False,
+        prefetch: int = 2,
     ) -> dtensor.DTensorDataset:
         """``dataset_fn(InputContext)`` gives this process's share; shares are stitched into global arrays."""
         ctx = self.input_context()
@@ -688,13 +750,17 @@ def _var_or_layout(x: Any) -> bool:
 
 
 def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding)
+    return jax.ShapeDtypeStruct(
+        np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding
+    )
 
 
 class _CheckedShares:
     """An input function's batches, each checked to hold this pipeline's share of the global batch."""
 
-    def __init__(self, source: Iterable[Any], ctx: InputContext, global_batch_size: int, *, pad: bool) -> None:
+    def __init__(
+        self, source: Iterable[Any], ctx: InputContext, global_batch_size: int, *, pad: bool
+    ) -> None:
         self.source = source
         self.ctx = ctx
         self.global_batch_size = global_batch_size
@@ -714,7 +780,8 @@ class _CheckedShares:
                     f"pipeline's share of the global batch {n} is {share} rows ({n} / "
                     f"{ctx.num_input_pipelines} input pipelines). distribute_datasets_from_function "
                     "wants each pipeline's share, not one replica's: batch by "
-                    f"ctx.get_per_pipeline_batch_size({n})" + (" (or pass pad=True for a short last batch)." if not self.pad else ".")
+                    f"ctx.get_per_pipeline_batch_size({n})"
+                    + (" (or pass pad=True for a short last batch)." if not self.pad else ".")
                 )
             yield batch
 

@@ -34,11 +34,16 @@ class CentralStorageStrategy(Strategy):
 
     name = "central_storage"
 
-    def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
+    def __init__(
+        self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None
+    ) -> None:
         compute = list(compute_devices) if compute_devices is not None else jax.local_devices()
         self.parameter_device = parameter_device if parameter_device is not None else compute[0]
         self._storage_mesh = dtensor.create_mesh([("device", 1)], devices=[self.parameter_device])
-        super().__init__(dtensor.create_mesh([("replica", len(compute))], devices=compute), batch_axes=("replica",))
+        super().__init__(
+            dtensor.create_mesh([("replica", len(compute))], devices=compute),
+            batch_axes=("replica",),
+        )
         self._last_layouts: Any = None
 
     def storage_layout(self, path: str, leaf: Any) -> Layout:
@@ -57,7 +62,11 @@ class CentralStorageStrategy(Strategy):
     def _to_compute(self, state: Any, layouts: Any) -> Any:
         self._last_layouts = layouts
         return jax.tree.map(
-            lambda var, lay: var if lay is None else _replace(var, dtensor.relayout(_value(var), self._compute_layout(lay))),
+            lambda var, lay: (
+                var
+                if lay is None
+                else _replace(var, dtensor.relayout(_value(var), self._compute_layout(lay)))
+            ),
             state,
             layouts,
             is_leaf=_var_or_layout,
@@ -65,7 +74,9 @@ class CentralStorageStrategy(Strategy):
 
     def _to_storage(self, state: Any) -> Any:
         return jax.tree.map(
-            lambda var, lay: var if lay is None else _replace(var, dtensor.relayout(_value(var), lay)),
+            lambda var, lay: (
+                var if lay is None else _replace(var, dtensor.relayout(_value(var), lay))
+            ),
             state,
             self._last_layouts,
             is_leaf=_var_or_layout,

@@ -489,8 +489,8 @@ def _bound(axes: tuple[str, ...] | None, mesh: Any = None) -> Iterator[None]:
 
 
 def _reducing(tx: Any, reduce: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
-    def update(grads: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        return tx.update(reduce(grads), state, params, **extra)
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        return tx.update(reduce(updates), state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)
 

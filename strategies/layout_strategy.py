@@ -32,7 +32,9 @@ class LayoutStrategy(Strategy):
 
     name = "layout"
 
-    def __init__(self, mesh: Mesh, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None) -> None:
+    def __init__(
+        self, mesh: Mesh, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None
+    ) -> None:
         batch_dim_name = batch_dim_name if batch_dim_name is not None else mesh.dim_names[0]
         mesh._check_axis(batch_dim_name, "batch_dim_name")
         self.layout_map = layout_map if layout_map is not None else LayoutMap(mesh)

@@ -27,6 +27,8 @@ class OneDeviceStrategy(Strategy):
             device = devices[0] if devices else jax.devices()[0]
         elif isinstance(device, str):
             platform, _, index = device.rpartition(":")
-            device = jax.devices(platform.lower().strip("/").split("/")[-1] or None)[int(index or 0)]
+            device = jax.devices(platform.lower().strip("/").split("/")[-1] or None)[
+                int(index or 0)
+            ]
         self.device = device
         super().__init__(dtensor.create_mesh([("device", 1)], devices=[device]), batch_axes=())

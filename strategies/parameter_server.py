@@ -45,7 +45,9 @@ class ParameterServerStrategy(Strategy):
         *,
         devices: Sequence[Any] | None = None,
     ) -> None:
-        if variable_partitioner is not None and not callable(getattr(variable_partitioner, "num_shards", None)):
+        if variable_partitioner is not None and not callable(
+            getattr(variable_partitioner, "num_shards", None)
+        ):
             raise TypeError(
                 f"variable_partitioner={variable_partitioner!r} is not a partitioner; use "
                 "FixedShardsPartitioner(n), MinSizePartitioner(...) or MaxSizePartitioner(...)."
@@ -61,7 +63,9 @@ class ParameterServerStrategy(Strategy):
             )
         self.variable_partitioner = variable_partitioner
         self.num_ps = num_ps
-        mesh = dtensor.create_mesh([("ps", num_ps), ("worker", len(devices) // num_ps)], devices=devices)
+        mesh = dtensor.create_mesh(
+            [("ps", num_ps), ("worker", len(devices) // num_ps)], devices=devices
+        )
         super().__init__(mesh, batch_axes=("ps", "worker"))
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
@@ -84,7 +88,9 @@ class ParameterServerStrategy(Strategy):
             >>> strategies.ParameterServerStrategy(num_ps=2).parameter_mesh()
             Mesh(ps=2)
         """
-        return dtensor.create_mesh([("ps", self.num_ps)], devices=self.mesh.device_list[: self.num_ps])
+        return dtensor.create_mesh(
+            [("ps", self.num_ps)], devices=self.mesh.device_list[: self.num_ps]
+        )
 
     def parameter_layout(self, path: str, leaf: Any) -> Layout:
         """:meth:`variable_layout` moved onto :meth:`parameter_mesh` (same split on ``ps``)."""
@@ -106,7 +112,12 @@ class ParameterServerStrategy(Strategy):
         rest = self.mesh.device_list[self.num_ps :] or self.mesh.device_list
         if num_workers is None:
             num_workers = len(rest)
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1 or len(rest) % num_workers:
+        if (
+            not isinstance(num_workers, int)
+            or isinstance(num_workers, bool)
+            or num_workers < 1
+            or len(rest) % num_workers
+        ):
             raise ValueError(
                 f"num_workers={num_workers!r} must be a positive number that divides the {len(rest)} "
                 f"worker devices of {self!r}; pick one of "
@@ -114,7 +125,8 @@ class ParameterServerStrategy(Strategy):
             )
         size = len(rest) // num_workers
         return tuple(
-            dtensor.create_mesh([("worker", size)], devices=rest[i * size : (i + 1) * size]) for i in range(num_workers)
+            dtensor.create_mesh([("worker", size)], devices=rest[i * size : (i + 1) * size])
+            for i in range(num_workers)
         )
 
     def __repr__(self) -> str:

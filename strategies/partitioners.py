@@ -34,7 +34,9 @@ class Partitioner:
 
 def _positive_int(value: Any, name: str, cls: str) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{cls}({name}={value!r}): {name} must be a positive integer, e.g. {name}=2.")
+        raise ValueError(
+            f"{cls}({name}={value!r}): {name} must be a positive integer, e.g. {name}=2."
+        )
     return int(value)
 
 
@@ -68,8 +70,12 @@ class MinSizePartitioner(Partitioner):
         [1, 1]
     """
 
-    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16) -> None:
-        self.min_shard_bytes = _positive_int(min_shard_bytes, "min_shard_bytes", "MinSizePartitioner")
+    def __init__(
+        self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16
+    ) -> None:
+        self.min_shard_bytes = _positive_int(
+            min_shard_bytes, "min_shard_bytes", "MinSizePartitioner"
+        )
         self.max_shards = _positive_int(max_shards, "max_shards", "MinSizePartitioner")
         self.bytes_per_string = bytes_per_string
 
@@ -92,10 +98,16 @@ class MaxSizePartitioner(Partitioner):
         [4, 1]
     """
 
-    def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16) -> None:
-        self.max_shard_bytes = _positive_int(max_shard_bytes, "max_shard_bytes", "MaxSizePartitioner")
+    def __init__(
+        self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16
+    ) -> None:
+        self.max_shard_bytes = _positive_int(
+            max_shard_bytes, "max_shard_bytes", "MaxSizePartitioner"
+        )
         self.max_shards = (
-            _positive_int(max_shards, "max_shards", "MaxSizePartitioner") if max_shards is not None else 1 << 30
+            _positive_int(max_shards, "max_shards", "MaxSizePartitioner")
+            if max_shards is not None
+            else 1 << 30
         )
         self.bytes_per_string = bytes_per_string
 

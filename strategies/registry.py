@@ -54,15 +54,27 @@ _PRESETS: dict[str, tuple[str, Callable[[Sequence[Any]], Strategy]]] = {
         "replicated variables, batch split over all processes",
         lambda d: MultiWorkerMirroredStrategy(d),
     ),
-    "central_storage": ("one copy of the variables, compute on all devices", lambda d: CentralStorageStrategy(d)),
+    "central_storage": (
+        "one copy of the variables, compute on all devices",
+        lambda d: CentralStorageStrategy(d),
+    ),
     "tpu": ("replicated variables over TPU cores", lambda d: TPUStrategy(devices=d)),
     "parameter_server": (
         "variables split over 2 parameter devices, sync data parallel",
         lambda d: ParameterServerStrategy(FixedShardsPartitioner(2), devices=d),
     ),
-    "fully_sharded": ("ZeRO-3: every variable split over all devices", lambda d: FullyShardedStrategy(d, min_shard_bytes=0)),
-    "tensor_parallel": ("Megatron column/row over 2 devices, data across", lambda d: TensorParallelStrategy(2, devices=d)),
-    "hybrid": ("data x fsdp x tensor", lambda d: HybridStrategy(*_factor(len(d)), min_shard_bytes=0, devices=d)),
+    "fully_sharded": (
+        "ZeRO-3: every variable split over all devices",
+        lambda d: FullyShardedStrategy(d, min_shard_bytes=0),
+    ),
+    "tensor_parallel": (
+        "Megatron column/row over 2 devices, data across",
+        lambda d: TensorParallelStrategy(2, devices=d),
+    ),
+    "hybrid": (
+        "data x fsdp x tensor",
+        lambda d: HybridStrategy(*_factor(len(d)), min_shard_bytes=0, devices=d),
+    ),
     "layout": ("a LayoutMap over a (batch, model) mesh", _layout),
 }
 

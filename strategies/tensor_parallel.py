@@ -19,8 +19,12 @@ __all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
 
 _T = "tensor"
 # Module names (the path component before the parameter name) by role.
-_COLUMN = re.compile(r"^(up|gate|wi|wi_\d|fc1|fc_in|w1|w3|in_proj|linear1|dense1|dense_in|hidden|mlp_in|intermediate|c_fc|qkv|head|lm_head)$")
-_ROW = re.compile(r"^(down|wo|fc2|fc_out|w2|out_proj|linear2|dense2|dense_out|mlp_out|output|c_proj|proj)$")
+_COLUMN = re.compile(
+    r"^(up|gate|wi|wi_\d|fc1|fc_in|w1|w3|in_proj|linear1|dense1|dense_in|hidden|mlp_in|intermediate|c_fc|qkv|head|lm_head)$"
+)
+_ROW = re.compile(
+    r"^(down|wo|fc2|fc_out|w2|out_proj|linear2|dense2|dense_out|mlp_out|output|c_proj|proj)$"
+)
 _ATTN_IN = re.compile(r"^(query|key|value|q_proj|k_proj|v_proj|q|k|v)$")
 _ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
 _EMBED = re.compile(r"^(embedding|embed|wte|tok_embeddings|token_embedding)$")
@@ -120,12 +124,18 @@ class HybridStrategy(Strategy):
         devices: Sequence[Any] | None = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
-        mesh = dtensor.create_mesh([("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices)
+        mesh = dtensor.create_mesh(
+            [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices
+        )
         super().__init__(mesh, batch_axes=("data", "fsdp"))
         if rules is not None and not isinstance(rules, LayoutMap):
             rules = LayoutMap(mesh, rules)
         if isinstance(rules, LayoutMap) and rules.mesh != mesh:
-            rules = LayoutMap(mesh, [(p, s) for p, _, s in rules._rules], logical_axis_rules=rules.logical_axis_rules)
+            rules = LayoutMap(
+                mesh,
+                [(p, s) for p, _, s in rules._rules],
+                logical_axis_rules=rules.logical_axis_rules,
+            )
         self.rules = rules
         self.min_shard_bytes = min_shard_bytes
 
@@ -142,7 +152,9 @@ class HybridStrategy(Strategy):
                 n = self.mesh.shape["tensor"]
                 if all(s != _T or shape[d] % n == 0 for d, s in enumerate(specs)):
                     return specs, f"megatron {rule}"
-                return [dtensor.UNSHARDED] * len(shape), f"megatron {rule} (not divisible: replicated)"
+                return [dtensor.UNSHARDED] * len(
+                    shape
+                ), f"megatron {rule} (not divisible: replicated)"
         return [dtensor.UNSHARDED] * len(shape), None
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:

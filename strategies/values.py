@@ -30,7 +30,9 @@ class InputContext:
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
     # The global batch sizes the input function asked about (to check its shares).
-    _global_batch_sizes: list[int] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    _global_batch_sizes: list[int] = dataclasses.field(
+        default_factory=list, compare=False, repr=False
+    )
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size / num_replicas_in_sync``; raises if it does not divide."""
