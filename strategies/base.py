@@ -370,8 +370,11 @@ class Strategy:
             if layout is None:
                 return var
             value = _value(var)
-            if isinstance(value, jax.Array) and value.sharding == layout.sharding:
-                return var
+            if isinstance(value, jax.Array):
+                have, want = value.sharding, layout.sharding
+                # A jit's outputs say P() where the layout says P(None, None): same placement.
+                if have == want or have.is_equivalent_to(want, value.ndim):
+                    return var
             return _replace(var, dtensor.relayout(value, layout))
 
         return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
