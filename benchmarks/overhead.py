@@ -10,7 +10,9 @@ the table shows min / median / max over the rounds.
 
 For ``fully_sharded`` the two programs differ: the preset gathers each
 parameter at its read (reduce-scattered gradients), while plain ``jax.jit``
-leaves the plan to XLA; its ratio measures that plan, not dispatch.
+leaves the plan to XLA; its ratio measures that plan, not dispatch. The row
+``fully_sharded_xla_plan`` (``FullyShardedStrategy(gather_at_read=False)``)
+compiles the same program as the hand-written jit, so it measures dispatch.
 
     python -m benchmarks.overhead [--rounds 7] [--steps 20] [--hidden 2048] [--batch 256]
 """
@@ -48,22 +50,29 @@ def handwritten(strategy: Any, model: Any, opt: Any, step: Any, batch: Any) -> A
     return run
 
 
+def _strategy(preset: str) -> Any:
+    import strategies
+
+    if preset == "fully_sharded_xla_plan":
+        return strategies.FullyShardedStrategy(min_shard_bytes=0, gather_at_read=False)
+    return strategies.from_name(preset)
+
+
 def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     import dtensor
-    import strategies
 
     step = common.train_step("mlp")
     host_batch = common.mlp_batch(args.batch, args.features, args.features)
     factory = common.mlp_model(args.features, args.hidden, args.features)
 
-    s_run = strategies.from_name(preset)
+    s_run = _strategy(preset)
     m1, o1 = common.build(s_run, factory)
     batch = {k: dtensor.copy_to_mesh(v, s_run.batch_layout(v.ndim)) for k, v in host_batch.items()}
     s_run.run(step, args=(m1, o1, batch))  # places the variables, compiles
     try:
-        s_jit = strategies.from_name(preset)
+        s_jit = _strategy(preset)
         m2, o2 = common.build(s_jit, factory)
         s_jit.run(step, args=(m2, o2, batch))  # the same placement as the strategy's
         baseline = handwritten(s_jit, m2, o2, step, batch)
@@ -102,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.ensure_devices()
     import strategies
 
-    presets = list(strategies.PRESET_NAMES) if args.presets == "all" else args.presets.split(",")
+    presets = (
+        [*strategies.PRESET_NAMES, "fully_sharded_xla_plan"] if args.presets == "all" else args.presets.split(",")
+    )
     rows = [measure(p, args) for p in presets]
     payload = {
         "settings": {k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")},

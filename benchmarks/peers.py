@@ -54,13 +54,22 @@ def _tf_mirrored(args: argparse.Namespace) -> list[float]:
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * common.N_DEVICES)
     strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
     b = common.mlp_batch(args.batch, args.features, args.features)
+    # Adam written out in TF ops: Keras 3's optimizer inside tf.function +
+    # MirroredStrategy fails on its internal cond (TF 2.21 / Keras 3.15).
+    first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+    def var(value: Any) -> Any:
+        return tf.Variable(value, aggregation=first)
+
     with strategy.scope():
-        w1 = tf.Variable(tf.random.normal((args.features, args.hidden), stddev=0.02))
-        b1 = tf.Variable(tf.zeros((args.hidden,)))
-        w2 = tf.Variable(tf.random.normal((args.hidden, args.features), stddev=0.02))
-        b2 = tf.Variable(tf.zeros((args.features,)))
-        opt = tf.keras.optimizers.Adam(1e-3)
-    variables = [w1, b1, w2, b2]
+        w1 = var(tf.random.normal((args.features, args.hidden), stddev=0.02))
+        b1 = var(tf.zeros((args.hidden,)))
+        w2 = var(tf.random.normal((args.hidden, args.features), stddev=0.02))
+        b2 = var(tf.zeros((args.features,)))
+        variables = [w1, b1, w2, b2]
+        mu = [var(tf.zeros_like(v)) for v in variables]
+        nu = [var(tf.zeros_like(v)) for v in variables]
+        count = var(tf.constant(0.0))
     dataset = tf.data.Dataset.from_tensors((b["x"], b["y"])).repeat()
     it = iter(strategy.experimental_distribute_dataset(dataset))
 
@@ -70,8 +79,15 @@ def _tf_mirrored(args: argparse.Namespace) -> list[float]:
             with tf.GradientTape() as tape:
                 pred = tf.nn.relu(x @ w1 + b1) @ w2 + b2
                 loss = tf.reduce_sum(tf.reduce_mean((pred - y) ** 2, axis=-1)) / args.batch
-            grads = tape.gradient(loss, variables)
-            opt.apply_gradients(zip(grads, variables, strict=True))
+            ctx = tf.distribute.get_replica_context()
+            grads = ctx.all_reduce("SUM", tape.gradient(loss, variables))
+            t = count.assign_add(1.0)
+            for v, g, m, n in zip(variables, grads, mu, nu, strict=True):
+                m.assign(0.9 * m + 0.1 * g)
+                n.assign(0.999 * n + 0.001 * g * g)
+                mhat = m / (1.0 - 0.9**t)
+                nhat = n / (1.0 - 0.999**t)
+                v.assign_sub(1e-3 * mhat / (tf.sqrt(nhat) + 1e-8))
             return loss
 
         return strategy.reduce("SUM", strategy.run(replica, args=(x, y)), axis=None)

@@ -585,7 +585,12 @@ class Strategy:
                 rules=rules,
                 data_axes=self.batch_axes,
                 expect_sharded=self.shards_variables,
+                activation_bytes_min=self.activation_bytes_min(state, rules, arrays),
             )
+
+    def activation_bytes_min(self, state: Any, rules: Any, batch: list[Any]) -> float:
+        """Bytes per device of activations the layouts must move in one step (0: none)."""
+        return 0.0
 
     def _node_relative(self, path: str, leaf: Any) -> ResolvedLayout:
         return self.storage_layout_fn(path.split("/", 1)[1] if "/" in path else path, leaf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -164,6 +165,41 @@ class HybridStrategy(Strategy):
         if fsdp > 1 and nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
             specs = shard_largest_dim(specs, np.shape(_value(leaf)), "fsdp", fsdp)
         return Layout(specs, self.mesh)
+
+    def activation_bytes_min(self, state: Any, rules: Any, batch: list[Any]) -> float:
+        """Megatron's per-layer activation all-reduces over ``tensor``, per device.
+
+        Each row-parallel kernel's output is all-reduced in the forward pass and
+        the matching column-parallel layer's input gradient in the backward
+        pass (2 all-reduces of ``tokens x out_features``); a vocab-parallel
+        embedding's lookup is all-reduced once. ``tokens`` is the first batch
+        array's elements per data shard (all of them for integer token ids,
+        all but the last dimension for float features). Ring model:
+        ``2(t-1)/t`` bytes per byte all-reduced.
+        """
+        t = self.mesh.shape["tensor"]
+        arrays = [a for a in batch if a is not None and len(np.shape(a))]
+        if t == 1 or not arrays or state is None or rules is None:
+            return 0.0
+        first = arrays[0]
+        shape = np.shape(first)
+        integer = np.issubdtype(np.dtype(first.dtype), np.integer)
+        tokens = math.prod(shape if integer else shape[:-1]) / self.num_replicas_in_sync
+        total = 0.0
+        leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda v: hasattr(v, "get_value"))
+        rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
+        for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
+            p = dtensor.rules.path_str(path)
+            if not rule or "opt_state" in p.split("/"):
+                continue
+            value = _value(leaf)
+            item = np.dtype(value.dtype).itemsize
+            features = np.shape(value)[-1]
+            if rule.startswith("megatron row") and p.endswith("kernel"):
+                total += 2 * tokens * features * item
+            elif rule == "megatron vocab":
+                total += tokens * features * item
+        return total * 2 * (t - 1) / t
 
     def rule_name(self, path: str, leaf: Any) -> str | None:
         _, rule = self._tensor_specs(path, leaf)
