@@ -94,16 +94,6 @@ def _varying(block: Any, layout: Layout, axes: tuple[str, ...]) -> Any:
     return jax.lax.pcast(block, invariant, to="varying") if invariant else block
 
 
-def _reduce(block: Any, axes: tuple[str, ...], op: ReduceOp) -> Any:
-    if op is ReduceOp.SUM:
-        return jax.lax.psum(block, axes)
-    if op is ReduceOp.MEAN:
-        return jax.lax.pmean(block, axes)
-    if op is ReduceOp.MAX:
-        return jax.lax.pmax(block, axes)
-    return jax.lax.pmin(block, axes)
-
-
 def all_reduce(
     x: jax.Array,
     axes: str | Sequence[str],
@@ -127,7 +117,7 @@ def all_reduce(
     layout = _input_layout(x, layout, "all_reduce")
     _check_axes(layout, axes, "all_reduce")
     return _shard_map(
-        lambda b: _reduce(_varying(b, layout, axes), axes, op), layout, _without(layout, axes), x
+        lambda b: op.across(_varying(b, layout, axes), axes), layout, _without(layout, axes), x
     )
 
 
@@ -210,7 +200,7 @@ def reduce_scatter(
         if op in (ReduceOp.SUM, ReduceOp.MEAN):
             r = jax.lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
             return r / n if op is ReduceOp.MEAN else r
-        full = _reduce(b, axes, op)
+        full = op.across(b, axes)
         size = block[dim] // n
         return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axes) * size, size, axis=dim)
 

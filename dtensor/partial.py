@@ -196,16 +196,7 @@ def blocks_of(x: Any) -> list[Any]:
 # ----------------------------------------------------------------- per block
 def reduce_block(block: Any, axes: Sequence[str], op: ReduceOp) -> Any:
     """Inside ``shard_map``: every device along ``axes`` gets the combination of their blocks."""
-    axes = tuple(axes)
-    if not axes:
-        return block
-    if op is ReduceOp.SUM:
-        return jax.lax.psum(block, axes)
-    if op is ReduceOp.MEAN:
-        return jax.lax.pmean(block, axes)
-    if op is ReduceOp.MAX:
-        return jax.lax.pmax(block, axes)
-    return jax.lax.pmin(block, axes)
+    return op.across(block, axes)
 
 
 def scatter_block(block: Any, axes: Sequence[str], op: ReduceOp, dim: int) -> Any:

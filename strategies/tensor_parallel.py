@@ -186,7 +186,9 @@ class HybridStrategy(Strategy):
         integer = np.issubdtype(np.dtype(first.dtype), np.integer)
         tokens = math.prod(shape if integer else shape[:-1]) / self.num_replicas_in_sync
         total = 0.0
-        leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda v: hasattr(v, "get_value"))
+        leaves = jax.tree_util.tree_leaves_with_path(
+            state, is_leaf=lambda v: hasattr(v, "get_value")
+        )
         rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
         for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
             p = dtensor.rules.path_str(path)

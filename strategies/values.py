@@ -106,10 +106,4 @@ class ReplicaContext:
         op = ReduceOp.parse(op)
         if not self._axes:
             return value
-        fn = {
-            ReduceOp.SUM: jax.lax.psum,
-            ReduceOp.MEAN: jax.lax.pmean,
-            ReduceOp.MAX: jax.lax.pmax,
-            ReduceOp.MIN: jax.lax.pmin,
-        }[op]
-        return jax.tree.map(lambda v: fn(v, self._axes), value)
+        return jax.tree.map(lambda v: op.across(v, self._axes), value)
