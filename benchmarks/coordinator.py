@@ -112,13 +112,13 @@ def run(num_workers: int, closures: int, repeats: int) -> dict[str, object]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--closures", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 6])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = [run(k, args.closures, args.repeats) for k in args.workers]
     result = {
         "benchmark": "coordinator",

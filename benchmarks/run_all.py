@@ -1,4 +1,5 @@
-"""Run every benchmark (``make bench``): comm_memory, overhead, peers, then the plot.
+"""Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
+coordinator and tpu_presets (those two are skipped with ``--quick``).
 
     python -m benchmarks.run_all [--quick] [--out DIR]
 
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     overhead.main([*(QUICK_TIMED if args.quick else []), *out])
     peers.main([*(QUICK_TIMED if args.quick else []), *out])
     plot.main(["--results", str(args.out or common.RESULTS)])
+    if not args.quick:
+        from . import coordinator, tpu_presets
+
+        coordinator.main(["--out", str((args.out or common.RESULTS) / "coordinator.json")])
+        tpu_presets.main(out)
 
 
 if __name__ == "__main__":
