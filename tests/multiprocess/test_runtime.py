@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dtensor
-from dtensor import runtime
+from dtensor import cluster, runtime
 from dtensor.runtime import ClusterConfigError, ClusterSpec, parse_tf_config, resolve_cluster
 
 from .util import report, run_worker
@@ -140,7 +140,7 @@ def test_jax_cluster_detection_is_used(monkeypatch):
 def test_single_process_functions(monkeypatch):
     for name in ("DTENSOR_COORDINATOR", "TF_CONFIG"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(runtime, "_jax_cluster", lambda: None)
+    monkeypatch.setattr(cluster, "_jax_cluster", lambda: None)
     assert dtensor.initialize() is None
     assert (dtensor.client_id(), dtensor.num_clients()) == (0, 1)
     dtensor.barrier("anything")
