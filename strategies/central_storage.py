@@ -35,8 +35,18 @@ class CentralStorageStrategy(Strategy):
     name = "central_storage"
 
     def __init__(
-        self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None
+        self,
+        compute_devices: Sequence[Any] | None = None,
+        parameter_device: Any = None,
+        *,
+        devices: Sequence[Any] | None = None,
     ) -> None:
+        if compute_devices is not None and devices is not None:
+            raise ValueError(
+                "CentralStorageStrategy got both compute_devices= and devices= (the same thing); "
+                "pass one of them."
+            )
+        compute_devices = compute_devices if compute_devices is not None else devices
         compute = list(compute_devices) if compute_devices is not None else jax.local_devices()
         self.parameter_device = parameter_device if parameter_device is not None else compute[0]
         self._storage_mesh = dtensor.create_mesh([("device", 1)], devices=[self.parameter_device])

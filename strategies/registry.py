@@ -56,7 +56,7 @@ _PRESETS: dict[str, tuple[str, Callable[[Sequence[Any]], Strategy]]] = {
     ),
     "central_storage": (
         "one copy of the variables, compute on all devices",
-        lambda d: CentralStorageStrategy(d),
+        lambda d: CentralStorageStrategy(devices=d),
     ),
     "tpu": ("replicated variables over TPU cores", lambda d: TPUStrategy(devices=d)),
     "parameter_server": (

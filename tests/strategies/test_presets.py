@@ -439,3 +439,12 @@ def test_describe_lists_each_variable_with_its_layout_and_rule():
     assert _row(text, "up/kernel")[3] == "[unsharded, fsdp]"
     assert _row(text, "up/kernel")[5] == "512 B"  # 4 KiB over 8 devices
     assert _row(text, "down/kernel")[3] == "[unsharded, unsharded]"  # 2 KiB: below the threshold
+
+
+def test_central_storage_takes_devices_like_every_preset():
+    import jax
+
+    s = strategies.CentralStorageStrategy(devices=jax.devices()[:4])
+    assert s.num_replicas_in_sync == 4 and s.parameter_device == jax.devices()[0]
+    with pytest.raises(ValueError, match="both compute_devices= and devices="):
+        strategies.CentralStorageStrategy(jax.devices()[:2], devices=jax.devices()[:2])
