@@ -115,6 +115,7 @@ class Strategy:
         self._in_flight: collections.deque[Any] = collections.deque()
         self._compiled: dict[Any, Any] = {}
         self._layout_cache: dict[Any, Any] = {}
+        self._graph_cache: dict[tuple[int, ...], _GraphCache] = {}
 
     # ----------------------------------------------------------------- basics
     @property
@@ -258,6 +259,7 @@ class Strategy:
         kwargs: dict[str, Any] | None = None,
         *,
         per_replica: bool = False,
+        cache_graph: bool = False,
     ) -> Any:
         """Run single-device code on the global batch, compiled for this strategy.
 
@@ -273,6 +275,11 @@ class Strategy:
         :func:`get_replica_context` gives ``replica_id_in_sync_group`` and
         ``all_reduce``; outputs come back as :class:`PerReplica` values.
 
+        With ``cache_graph=True`` the NNX graph of the model and optimizer
+        arguments is walked once and remembered (as ``nnx.cached_partial``
+        does), so a step costs no Python traversal; their structure must then
+        not change between calls (replacing a submodule, say).
+
         Examples:
             >>> import strategies, numpy as np, jax.numpy as jnp
             >>> s = strategies.MirroredStrategy()
@@ -280,12 +287,16 @@ class Strategy:
             1.0
         """
         kwargs = kwargs or {}
-        prepared = self._prepare(fn, args, kwargs, per_replica=per_replica)
-        compiled, state, leaves, nodes = prepared
+        prepared = self._prepare(fn, args, kwargs, per_replica=per_replica, cache_graph=cache_graph)
+        compiled, state, leaves, nodes, cached = prepared
         with self.mesh:  # traced under the strategy's mesh, in scope() or not
             new_state, out = compiled(state, leaves)
         if nodes:
-            nnx.update(tuple(nodes), self._to_storage(new_state))
+            stored = self._to_storage(new_state)
+            if cached is None:
+                nnx.update(tuple(nodes), stored)
+            else:
+                cached.write_back(stored)
         if per_replica:
             out = jax.tree.map(PerReplica, out)
         self._bound_in_flight(out if jax.tree.leaves(out) else new_state)
@@ -318,23 +329,28 @@ class Strategy:
         kwargs: dict[str, Any],
         *,
         per_replica: bool,
-    ) -> tuple[Any, Any, list[Any], list[Any]]:
-        flat, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_node)
+        cache_graph: bool = False,
+    ) -> tuple[Any, Any, list[Any], list[Any], _GraphCache | None]:
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+            (tuple(args), kwargs), is_leaf=_is_node
+        )
+        flat = [v for _, v in with_paths]
         nodes = [v for v in flat if _is_node(v)]
-        graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
+        cached = None
+        if nodes and cache_graph:
+            cached = self._graph_cache.get(tuple(map(id, nodes)))
+            if cached is None:
+                cached = self._graph_cache[tuple(map(id, nodes))] = _GraphCache(nodes)
+            graphdef, state = cached.graphdef, cached.read()
+        else:
+            graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
         state_layouts = None
         if nodes:
             state_layouts = self._state_layouts(graphdef, state)
             state = self._place_state(state, state_layouts)
         kinds: list[Any] = []
         arrays: list[Any] = []
-        paths = [
-            p
-            for p, _ in jax.tree_util.tree_flatten_with_path(
-                (tuple(args), kwargs), is_leaf=_is_node
-            )[0]
-        ]
-        for path, v in zip(paths, flat, strict=True):
+        for path, v in with_paths:
             if _is_node(v):
                 kinds.append(_NODE)
             elif _is_array(v):
@@ -353,7 +369,7 @@ class Strategy:
             self._compiled[key] = compiled
         if nodes:
             state = self._to_compute(state, state_layouts)
-        return compiled, state, arrays, nodes
+        return compiled, state, arrays, nodes, cached
 
     def _state_layouts(self, graphdef: Any, state: Any) -> Any:
         key = graphdef
@@ -446,6 +462,7 @@ class Strategy:
             def pure(state: Any, arrays: list[Any]) -> Any:
                 new_state, out = strategy._trace_step(call, state, arrays, state_layouts, shardings)
                 if new_state is not None:
+                    _check_same_structure(state, new_state)
                     new_state = strategy._constrain(new_state, state_layouts)
                 return new_state, out
 
@@ -792,6 +809,47 @@ class _CheckedShares:
                     + (" (or pass pad=True for a short last batch)." if not self.pad else ".")
                 )
             yield batch
+
+
+def _check_same_structure(before: Any, after: Any) -> None:
+    paths_before = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(before)}
+    paths_after = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(after)}
+    if paths_before != paths_after:
+        added = sorted(paths_after - paths_before)[:3]
+        removed = sorted(paths_before - paths_after)[:3]
+        raise ValueError(
+            f"the step changed its models' structure (added {added}, removed {removed}); a step "
+            "run by a strategy updates existing variables only. Create new variables before "
+            "calling run (or in scope())."
+        )
+
+
+class _GraphCache:
+    """The NNX graph of some nodes, walked once: their graphdef and live Variables.
+
+    ``read()`` gives a state to pass to the compiled step and ``write_back``
+    stores its result in the same Variables, with no graph traversal.
+    """
+
+    def __init__(self, nodes: list[Any]) -> None:
+        self.nodes = tuple(nodes)  # kept alive so their ids stay theirs
+        self.graphdef, state = nnx.split(self.nodes)
+        self.variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self.treedef = jax.tree.structure(state)
+
+    def read(self) -> Any:
+        return self.treedef.unflatten([v.get_value() for v in self.variables])
+
+    def write_back(self, state: Any) -> None:
+        new = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if len(new) != len(self.variables):
+            raise ValueError(
+                f"the step changed its models' structure ({len(self.variables)} variables before, "
+                f"{len(new)} after), which run(..., cache_graph=True) cannot follow; call run "
+                "without cache_graph."
+            )
+        for var, value in zip(self.variables, new, strict=True):
+            var.set_value(value.get_value())
 
 
 _NODE = "node"

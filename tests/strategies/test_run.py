@@ -378,3 +378,31 @@ def test_get_strategy_inside_and_outside_scope():
         assert strategies.get_strategy() is s
     assert strategies.get_strategy() is default
     assert dtensor.current_mesh() is None
+
+
+@pytest.mark.parametrize("preset", ["mirrored", "fully_sharded", "central_storage"])
+def test_cache_graph_gives_the_same_training(preset):
+    results = []
+    for cache_graph in (False, True):
+        s = strategies.from_name(preset)
+        model, opt = _model_and_opt(s, optax.adam(1e-2))
+        step = make_train_step(mlp_loss)
+        losses = [float(s.run(step, args=(model, opt, b), cache_graph=cache_graph)) for b in mlp_batches()]
+        results.append((losses, np.asarray(model.up.kernel.get_value()), int(opt.step.get_value())))
+    (l0, k0, n0), (l1, k1, n1) = results
+    np.testing.assert_array_equal(l0, l1)
+    np.testing.assert_array_equal(k0, k1)
+    assert n0 == n1 == 5
+
+
+@pytest.mark.parametrize("cache_graph", [False, True])
+def test_a_step_that_changes_the_models_structure_gets_a_clear_error(cache_graph):
+    s = strategies.MirroredStrategy()
+    model, opt = _model_and_opt(s)
+
+    def grows(model, opt, batch):
+        model.extra = nnx.Param(jnp.zeros(()))
+        return make_train_step(mlp_loss)(model, opt, batch)
+
+    with pytest.raises(ValueError, match="changed its models' structure"):
+        s.run(grows, args=(model, opt, mlp_batches(1)[0]), cache_graph=cache_graph)
