@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         task = progress.add_task("train", total=args.steps, completed=start, loss="-", tps="-")
         for step in range(start, args.steps):
             batch = batch_for_step(data, step, args.batch_size, seq, args.seed)
-            loss = handler.run(strategy.run, train_step, args=(model, optimizer, batch))
+            loss = handler.run(strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True)
             pending.append((step + 1, loss))
             if len(pending) >= 10 or step + 1 == args.steps:
                 for s, v in pending:

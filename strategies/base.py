@@ -345,7 +345,13 @@ class Strategy:
         else:
             graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
         state_layouts = None
-        if nodes:
+        if cached is not None:
+            if cached.layouts is None:
+                cached.layouts = self._state_layouts(graphdef, state)
+            state_layouts = cached.layouts
+            if not cached.unchanged():  # placed by us last step: nothing to check
+                state = self._place_state(state, state_layouts)
+        elif nodes:
             state_layouts = self._state_layouts(graphdef, state)
             state = self._place_state(state, state_layouts)
         kinds: list[Any] = []
@@ -360,7 +366,8 @@ class Strategy:
             else:
                 kinds.append(_Static(v))
         sig = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
-        key = (fn, per_replica, treedef, graphdef, tuple(kinds), sig)
+        graph_key = cached.key if cached is not None else graphdef
+        key = (fn, per_replica, treedef, graph_key, tuple(kinds), sig)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compile(
@@ -836,12 +843,28 @@ class _GraphCache:
         self.graphdef, state = nnx.split(self.nodes)
         self.variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         self.treedef = jax.tree.structure(state)
+        if self.treedef.num_leaves != len(self.variables):
+            raise ValueError(
+                "run(..., cache_graph=True) needs every Variable of the models to hold one array; "
+                "some hold none or several. Call run without cache_graph."
+            )
+        self.key = _CachedGraphKey(self.graphdef)
+        self.layouts: Any = None
+        self._values: list[Any] = []
+        self._written: list[Any] = []
 
     def read(self) -> Any:
-        return self.treedef.unflatten([v.get_value() for v in self.variables])
+        self._values = [v.get_value() for v in self.variables]
+        return self.treedef.unflatten(self._values)
+
+    def unchanged(self) -> bool:
+        """Whether every Variable still holds what the last step wrote."""
+        return len(self._written) == len(self._values) and all(
+            a is b for a, b in zip(self._values, self._written, strict=True)
+        )
 
     def write_back(self, state: Any) -> None:
-        new = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        new = jax.tree.leaves(state)
         if len(new) != len(self.variables):
             raise ValueError(
                 f"the step changed its models' structure ({len(self.variables)} variables before, "
@@ -849,7 +872,26 @@ class _GraphCache:
                 "without cache_graph."
             )
         for var, value in zip(self.variables, new, strict=True):
-            var.set_value(value.get_value())
+            var.set_value(value)
+        self._written = new
+
+
+class _CachedGraphKey:
+    """A compile-cache key for a cached graph: hashed once (graphdefs hash slowly)."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: Any) -> None:
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _CachedGraphKey) and self.graphdef == other.graphdef
+        )
 
 
 _NODE = "node"
