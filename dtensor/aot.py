@@ -34,6 +34,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .report import human_bytes
+
 __all__ = ["AotError", "AotResult", "compile_script", "load_script", "main", "summary"]
 
 HOOK = "aot_step"
@@ -152,9 +154,7 @@ def compile_script(
 
 
 def _human(n: float | None) -> str:
-    from .tpu import _human as human
-
-    return "-" if n is None else human(n)
+    return "-" if n is None else human_bytes(n)
 
 
 def summary(result: AotResult, *, title: str = "") -> str:

@@ -43,6 +43,7 @@ import numpy as np
 from .hlo import Collective, parse_collectives
 from .layout import Layout
 from .mesh import Mesh
+from .report import human_bytes
 from .rules import path_str
 
 __all__ = ["explain", "Report", "VariableInfo", "Finding", "Collective"]
@@ -492,7 +493,7 @@ def _variables(
         off_data = math.prod(n for a, n in lay.mesh.shape.items() if a not in data)
         if expect_sharded or off_data > 1:
             msg = (
-                f"{p} {list(shape)} {dtype} ({_human(nbytes)}) is replicated on all "
+                f"{p} {list(shape)} {dtype} ({human_bytes(nbytes)}) is replicated on all "
                 f"{lay.mesh.size} devices of {lay.mesh!r} though a sharded layout was expected; "
                 "shard one of its dimensions (one divisible by the axis size, or pad it) or add "
                 "a rule for it."
@@ -538,14 +539,6 @@ def _mem(mem: Any, field: str) -> int | None:
     return None if value is None else int(value)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _render(report: Report) -> str:
     from rich.console import Console
     from rich.markup import escape
@@ -567,13 +560,13 @@ def _render(report: Report) -> str:
     nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
     nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
     rows = [
-        ("communication", _human(report.comm_bytes_per_device)),
-        *((k, _human(v)) for k, v in nets if v is not None),
-        ("minimum for these layouts", _human(report.min_comm_bytes_per_device)),
+        ("communication", human_bytes(report.comm_bytes_per_device)),
+        *((k, human_bytes(v)) for k, v in nets if v is not None),
+        ("minimum for these layouts", human_bytes(report.min_comm_bytes_per_device)),
         ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
-        ("state (variables)", _human(report.state_bytes_per_device)),
-        ("state, ideally sharded", _human(report.ideal_state_bytes_per_device)),
-        *((k, "-" if v is None else _human(v)) for k, v in mem),
+        ("state (variables)", human_bytes(report.state_bytes_per_device)),
+        ("state, ideally sharded", human_bytes(report.ideal_state_bytes_per_device)),
+        *((k, "-" if v is None else human_bytes(v)) for k, v in mem),
         ("data axes", ", ".join(report.data_axes) or "-"),
     ]
     for k, v in rows:
@@ -600,7 +593,7 @@ def _render(report: Report) -> str:
             str(n),
             str(count),
             str(len(b)),
-            _human(sum(b)),
+            human_bytes(sum(b)),
         )
         coll.add_row(*map(escape, cells))
     console.print(coll)
@@ -615,7 +608,7 @@ def _render(report: Report) -> str:
             v.dtype,
             v.layout,
             v.rule or "-",
-            _human(v.bytes_per_device),
+            human_bytes(v.bytes_per_device),
         )
         var.add_row(*map(escape, cells))
     console.print(var)

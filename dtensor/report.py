@@ -15,10 +15,17 @@ from rich.text import Text
 from .layout import Layout
 from .rules import is_leaf, path_str
 
-__all__ = ["layouts_table", "render"]
+__all__ = ["human_bytes", "layouts_table", "render"]
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units, as the reports print them.
+
+    Examples:
+        >>> from dtensor.report import human_bytes
+        >>> human_bytes(512), human_bytes(3 * 2**20)
+        ('512 B', '3.0 MiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -68,11 +75,11 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
             str(np.dtype(value.dtype)),
             f"[{specs}]",
             rule or "-",
-            _human(per),
+            human_bytes(per),
         )
         table.add_row(*(Text(c) for c in cells))
     meshes = [lay_.mesh for lay_ in lay if lay_ is not None]
-    table.caption = f"{meshes[0]!r}; {_human(total)} per device" if meshes else None
+    table.caption = f"{meshes[0]!r}; {human_bytes(total)} per device" if meshes else None
     return table
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .report import human_bytes
+
 __all__ = [
     "CHIP_HBM_GIB",
     "MemoryFit",
@@ -106,9 +108,15 @@ def out_of_memory(error: BaseException) -> WillNotFitError | None:
     required = _bytes(req.group(1), req.group(2)) if req else None
     available = _bytes(avail.group(1), avail.group(2)) if avail else None
     need = (
-        f"needs {_human(required)} (for what it keeps live at once)" if required else "needs more"
+        f"needs {human_bytes(required)} (for what it keeps live at once)"
+        if required
+        else "needs more"
     )
-    have = f"{_human(available)} of HBM is available per device" if available else "the chip's HBM"
+    have = (
+        f"{human_bytes(available)} of HBM is available per device"
+        if available
+        else "the chip's HBM"
+    )
     return WillNotFitError(
         f"will not fit: the TPU compiler {need}, but {have}. Shard the variables "
         "(FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips. "
@@ -309,7 +317,7 @@ class MemoryFit:
         return dict(sorted(d.items()))
 
     def __str__(self) -> str:
-        h = _human
+        h = human_bytes
         parts = (
             f"arguments {h(self.argument_bytes)} + outputs {h(self.output_bytes)} - aliased "
             f"{h(self.alias_bytes)} + temporaries {h(self.temp_bytes)} + code {h(self.code_bytes)}"
@@ -388,11 +396,3 @@ def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
     head, minor = physical[: len(physical) - k], physical[len(physical) - k :]
     padded = [-(-d // t) * t for d, t in zip(minor, tile, strict=True)]
     return math.prod(head) * math.prod(padded) * itemsize
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -183,7 +183,7 @@ def aot_step(argv: list[str], *, devices):
 def explain_summary(report):
     from rich.table import Table
 
-    from dtensor.report import _human
+    from dtensor.report import human_bytes
 
     table = Table(title="the compiled train step (explain)")
     table.add_column("collective")
@@ -197,17 +197,17 @@ def explain_summary(report):
         acc[0] += c.count
         acc[1] += c.total_bytes_per_device
     for (kind, axes), (count, nbytes) in sorted(rows.items()):
-        table.add_row(kind, ",".join(axes) or "-", str(int(count)), _human(nbytes))
+        table.add_row(kind, ",".join(axes) or "-", str(int(count)), human_bytes(nbytes))
     if not rows:
         table.add_row("none", "-", "0", "0 B")
     ratio = report.comm_ratio
     table.caption = (
-        f"communication {_human(report.comm_bytes_per_device)} / device "
-        f"(theoretical minimum {_human(report.min_comm_bytes_per_device)}, ratio {ratio:.2f}); "
-        f"state {_human(report.state_bytes_per_device)} / device "
-        f"(ideal {_human(report.ideal_state_bytes_per_device)}); "
-        f"arguments {_human(report.argument_bytes_per_device or 0)}, "
-        f"temporaries {_human(report.temp_bytes_per_device or 0)} / device"
+        f"communication {human_bytes(report.comm_bytes_per_device)} / device "
+        f"(theoretical minimum {human_bytes(report.min_comm_bytes_per_device)}, ratio {ratio:.2f}); "
+        f"state {human_bytes(report.state_bytes_per_device)} / device "
+        f"(ideal {human_bytes(report.ideal_state_bytes_per_device)}); "
+        f"arguments {human_bytes(report.argument_bytes_per_device or 0)}, "
+        f"temporaries {human_bytes(report.temp_bytes_per_device or 0)} / device"
     )
     return table
 
