@@ -115,7 +115,7 @@ class DTensorDataset:
             batch_dim = mesh.dim_names[0]
         if batch_dim is not None:
             for a in (batch_dim,) if isinstance(batch_dim, str) else batch_dim:
-                mesh._check_axis(a, "batch_dim")
+                mesh.check_axis(a, "batch_dim")
         self.mesh = mesh
         self.layouts = layouts
         self.global_batch_size = global_batch_size

@@ -122,10 +122,11 @@ class Mesh:
         if isinstance(axes, str):
             axes = (axes,)
         for a in axes:
-            self._check_axis(a)
+            self.check_axis(a)
         return math.prod(self.shape[a] for a in axes)
 
-    def _check_axis(self, axis: str, what: str = "axis") -> None:
+    def check_axis(self, axis: str, what: str = "axis") -> None:
+        """Raise a :class:`MeshError` naming ``what`` unless ``axis`` is an axis of this mesh."""
         if axis not in self.dim_names:
             raise MeshError(
                 f"{what} {axis!r} is not an axis of {self!r}; the mesh has axes "

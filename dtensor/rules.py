@@ -191,6 +191,11 @@ class LayoutMap:
         found = self.match(path)
         return None if found is None else self.to_layout(found[1], path=path, rule=found[0])
 
+    @property
+    def rules(self) -> list[tuple[str, tuple[DimSpec, ...]]]:
+        """The ``(regex, specs)`` rules, in match order."""
+        return [(p, s) for p, _, s in self._rules]
+
     def __iter__(self) -> Iterator[str]:
         return iter([r[0] for r in self._rules])
 

@@ -36,7 +36,7 @@ class LayoutStrategy(Strategy):
         self, mesh: Mesh, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None
     ) -> None:
         batch_dim_name = batch_dim_name if batch_dim_name is not None else mesh.dim_names[0]
-        mesh._check_axis(batch_dim_name, "batch_dim_name")
+        mesh.check_axis(batch_dim_name, "batch_dim_name")
         self.layout_map = layout_map if layout_map is not None else LayoutMap(mesh)
         if self.layout_map.mesh != mesh:
             raise ValueError(

@@ -134,7 +134,7 @@ class HybridStrategy(Strategy):
         if isinstance(rules, LayoutMap) and rules.mesh != mesh:
             rules = LayoutMap(
                 mesh,
-                [(p, s) for p, _, s in rules._rules],
+                rules.rules,
                 logical_axis_rules=rules.logical_axis_rules,
             )
         self.rules = rules
