@@ -2,7 +2,7 @@
 
 Deterministic: all figures come from the compiled program (``strategy.explain``),
 nothing runs. ``comm_ratio`` is bytes communicated per device over the
-theoretical minimum for the preset's layouts (see ``dtensor.inspect``);
+theoretical minimum for the preset's layouts (see ``dtensor.analysis.explain``);
 ``argument_ratio`` is XLA's argument bytes per device (variables, optimizer
 state and the batch) over the ideal (variables and optimizer state split evenly
 over all devices) — replicated presets sit near the device count by design.

@@ -23,7 +23,7 @@ def run(topology: str = "v5e:4x4", num_slices: int = 1, model_size: str = "small
     """Compile the demo under every preset for the topology; the rows of the table."""
     import strategies
     from dtensor import aot
-    from dtensor.tpu import WillNotFitError
+    from dtensor.analysis.memory import WillNotFitError
 
     module = aot.load_script(DEMO)
     rows = []
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def common_human(n: float | None) -> str:
-    from dtensor.tpu import _human
+    from dtensor.analysis.memory import _human
 
     return "-" if n is None else _human(n)
 

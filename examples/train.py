@@ -183,7 +183,7 @@ def aot_step(argv: list[str], *, devices):
 def explain_summary(report):
     from rich.table import Table
 
-    from dtensor.report import human_bytes
+    from dtensor.core.text import human_bytes
 
     table = Table(title="the compiled train step (explain)")
     table.add_column("collective")
@@ -314,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
         optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
 
-    from dtensor.visualize import device_grid
+    from dtensor.core.visualize import device_grid
 
     console.print(device_grid(strategy.mesh))
     layouts, rules = strategy.variable_layouts(model)
-    console.print(dtensor.report.layouts_table(model, layouts, rules, title=f"variable layouts under {args.strategy}"))
+    console.print(dtensor.core.text.layouts_table(model, layouts, rules, title=f"variable layouts under {args.strategy}"))
     console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
 
     example = batch_for_step(data, 0, args.batch_size, seq, args.seed)

@@ -20,7 +20,7 @@ from flax import nnx
 
 import dtensor
 from dtensor import Layout, LayoutError, Mesh, ReduceOp
-from dtensor.rules import ResolvedLayout
+from dtensor.core.rules import ResolvedLayout
 
 from . import _creation
 from .values import InputContext, PerReplica, ReplicaContext, ValueContext
@@ -145,7 +145,7 @@ class Strategy:
         return self.variable_layout(path, leaf)
 
     def _resolved(self, path: str, leaf: Any) -> ResolvedLayout:
-        ann = dtensor.rules.flax_annotation(leaf) if self.honor_annotations else None
+        ann = dtensor.core.rules.flax_annotation(leaf) if self.honor_annotations else None
         if ann is not None:
             return ResolvedLayout(self._annotation_layout(path, leaf, ann), "flax annotation")
         return ResolvedLayout(self.variable_layout(path, leaf), self.rule_name(path, leaf))
@@ -207,7 +207,7 @@ class Strategy:
         return dtensor.resolve_layouts(tree, self._resolved, mesh=self.mesh)
 
     def storage_layout_fn(self, path: str, leaf: Any) -> ResolvedLayout:
-        ann = dtensor.rules.flax_annotation(leaf) if self.honor_annotations else None
+        ann = dtensor.core.rules.flax_annotation(leaf) if self.honor_annotations else None
         if ann is not None:
             return ResolvedLayout(self._annotation_layout(path, leaf, ann), "flax annotation")
         return ResolvedLayout(self.storage_layout(path, leaf), self.rule_name(path, leaf))
@@ -404,7 +404,7 @@ class Strategy:
 
     def _place_input(self, v: Any, name: str) -> Any:
         if isinstance(v, jax.Array):
-            mesh = dtensor.api.mesh_of(v)
+            mesh = dtensor.core.arrays.mesh_of(v)
             if mesh is not None and mesh != self.mesh:
                 adopted = self._adopt(v, mesh)
                 if adopted is not None:
@@ -565,7 +565,7 @@ class Strategy:
         Arguments may be abstract (``jax.ShapeDtypeStruct`` trees, or models
         from ``nnx.eval_shape``); nothing runs.
         """
-        from dtensor.inspect import explain
+        from dtensor.analysis.explain import explain
 
         kwargs = kwargs or {}
         flat, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_node)
@@ -747,7 +747,7 @@ class Strategy:
     # ---------------------------------------------------------------- reports
     def describe(self, tree: Any = None) -> str:
         """The mesh, and (given a model or pytree) the layout of each variable, as text."""
-        from dtensor.report import layouts_table, render
+        from dtensor.core.text import layouts_table, render
 
         parts = [repr(self)]
         if tree is not None:

@@ -70,7 +70,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtensor.rules import path_str
+from dtensor.core.rules import path_str
 
 from . import coordinator_step as cs
 from .coordinator_values import PerWorkerDataset, PerWorkerValues, RemoteValue, WorkerFailure

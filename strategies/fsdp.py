@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import dtensor
 from dtensor import Layout
-from dtensor.fsdp_ops import explicit_region, gather_for_compute, matmul_only_reads, tag_read
+from strategies.fsdp_ops import explicit_region, gather_for_compute, matmul_only_reads, tag_read
 
 from .base import Strategy, _value, _var_or_layout
 
@@ -64,7 +64,7 @@ class FullyShardedStrategy(Strategy):
     split by batch) and its gradient is reduce-scattered, whatever XLA's own
     propagation would pick: the step is traced with the ``fsdp`` axis
     Explicit and every such read goes through
-    :func:`dtensor.fsdp_ops.gather_for_compute`. Pass
+    :func:`strategies.fsdp_ops.gather_for_compute`. Pass
     ``gather_at_read=False`` to leave the plan to XLA (it then all-reduces
     full-size gradients, or gathers activations for small batches). Steps on
     plain pytrees (Linen, pure JAX) always leave it to XLA: their parameter

@@ -191,7 +191,7 @@ class HybridStrategy(Strategy):
         )
         rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
         for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
-            p = dtensor.rules.path_str(path)
+            p = dtensor.core.rules.path_str(path)
             if not rule or "opt_state" in p.split("/"):
                 continue
             value = _value(leaf)

@@ -15,7 +15,7 @@ from flax import nnx
 
 import dtensor
 from dtensor import Layout, checkpoint
-from dtensor.checkpoint import Checkpointer, CheckpointError
+from dtensor.checkpoint.checkpointer import Checkpointer, CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers_ckpt"

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental import mesh_utils
 
 import dtensor
-from dtensor.distributed_mesh import create_distributed_mesh, device_groups
+from dtensor.runtime.distributed_mesh import create_distributed_mesh, device_groups
 
 
 @dataclasses.dataclass(frozen=True)

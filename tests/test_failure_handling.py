@@ -19,7 +19,7 @@ from flax import nnx
 
 import dtensor
 from dtensor import checkpoint
-from dtensor.checkpoint import Checkpointer
+from dtensor.checkpoint.checkpointer import Checkpointer
 from strategies.failure_handling import (
     RESTARTABLE_EXIT_CODE,
     PreemptionCheckpointHandler,

@@ -1,4 +1,4 @@
-"""Tests for dtensor.layout: constructors, views, equality, text form, bad input."""
+"""Tests for dtensor.core.layout: constructors, views, equality, text form, bad input."""
 
 from __future__ import annotations
 

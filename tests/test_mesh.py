@@ -1,4 +1,4 @@
-"""Tests for dtensor.mesh: create_mesh, Mesh views, the mesh context, axis types."""
+"""Tests for dtensor.core.mesh: create_mesh, Mesh views, the mesh context, axis types."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import dtensor
 from dtensor import UNSHARDED, Layout, LayoutError, ReduceOp
-from dtensor.partial import PartialArray, is_native
+from dtensor.core.partial import PartialArray, is_native
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FACTORISATIONS = [
@@ -58,7 +58,7 @@ def random_blocks(layout, shape, seed):
     rng = np.random.default_rng(seed)
     mesh = layout.mesh
     local = layout.unreduced().local_shape(shape)
-    stacked = dtensor.partial.stacked_layout(layout)
+    stacked = dtensor.core.partial.stacked_layout(layout)
     index = stacked.sharding.devices_indices_map((mesh.axis_size(layout.partial_axes), *shape))
     cache: dict = {}
     out = []

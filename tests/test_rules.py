@@ -1,4 +1,4 @@
-"""Tests for dtensor.rules: LayoutMap, logical axes, distribute over Flax/optax pytrees."""
+"""Tests for dtensor.core.rules: LayoutMap, logical axes, distribute over Flax/optax pytrees."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dtensor import (
     fetch_layout,
     resolve_layouts,
 )
-from dtensor.rules import path_str
+from dtensor.core.rules import path_str
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ from flax import nnx
 
 import dtensor
 import strategies
-from dtensor.tpu import (
+from dtensor.analysis.memory import (
     CHIP_HBM_GIB,
     MemoryFit,
-    TopologyError,
     WillNotFitError,
     chip_generation,
     padded_bytes,
 )
+from dtensor.tpu.topology import TopologyError
 from tests.models import SEQ, Block, lm_loss, make_train_step
 
 TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1)]

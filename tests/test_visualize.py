@@ -1,4 +1,4 @@
-"""Tests for dtensor.visualize: which device ids each cell of the picture names."""
+"""Tests for dtensor.core.visualize: which device ids each cell of the picture names."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dtensor.launch import LaunchResult, launch, main
+from dtensor.runtime.launch import LaunchResult, launch, main
 
 from .util import REPO, report
 

@@ -10,7 +10,12 @@ import pytest
 
 import dtensor
 from dtensor import cluster, runtime
-from dtensor.runtime import ClusterConfigError, ClusterSpec, parse_tf_config, resolve_cluster
+from dtensor.runtime.process import (
+    ClusterConfigError,
+    ClusterSpec,
+    parse_tf_config,
+    resolve_cluster,
+)
 
 from .util import report, run_worker
 

@@ -6,7 +6,7 @@ import json
 import pathlib
 import sys
 
-from dtensor.launch import LaunchResult, launch
+from dtensor.runtime.launch import LaunchResult, launch
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -53,17 +53,17 @@ __all__ = [
     "shutdown",
 ]
 
-from .cluster import ENV_COORDINATOR as ENV_COORDINATOR
-from .cluster import ENV_DEVICES_PER_PROCESS as ENV_DEVICES_PER_PROCESS
-from .cluster import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
-from .cluster import ENV_PROCESS_ID as ENV_PROCESS_ID
-from .cluster import EXIT_PEER_LOST as EXIT_PEER_LOST
-from .cluster import LAUNCHER_SOURCE, int_env
-from .cluster import ClusterConfigError as ClusterConfigError
-from .cluster import ClusterSpec as ClusterSpec
-from .cluster import DistributedRuntimeError as DistributedRuntimeError
-from .cluster import parse_tf_config as parse_tf_config
-from .cluster import resolve_cluster as resolve_cluster
+from dtensor.runtime.cluster import ENV_COORDINATOR as ENV_COORDINATOR
+from dtensor.runtime.cluster import ENV_DEVICES_PER_PROCESS as ENV_DEVICES_PER_PROCESS
+from dtensor.runtime.cluster import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from dtensor.runtime.cluster import ENV_PROCESS_ID as ENV_PROCESS_ID
+from dtensor.runtime.cluster import EXIT_PEER_LOST as EXIT_PEER_LOST
+from dtensor.runtime.cluster import LAUNCHER_SOURCE, int_env
+from dtensor.runtime.cluster import ClusterConfigError as ClusterConfigError
+from dtensor.runtime.cluster import ClusterSpec as ClusterSpec
+from dtensor.runtime.cluster import DistributedRuntimeError as DistributedRuntimeError
+from dtensor.runtime.cluster import parse_tf_config as parse_tf_config
+from dtensor.runtime.cluster import resolve_cluster as resolve_cluster
 
 
 # ------------------------------------------------------------------ runtime

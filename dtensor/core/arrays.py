@@ -9,8 +9,8 @@ import jax
 import jax.core
 import numpy as np
 
-from .layout import Layout, LayoutError
-from .mesh import Mesh, current_mesh
+from dtensor.core.layout import Layout, LayoutError
+from dtensor.core.mesh import Mesh, current_mesh
 
 __all__ = [
     "relayout",
@@ -39,7 +39,7 @@ def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
     Eagerly this moves data between devices (XLA picks the collectives);
     inside ``jax.jit`` it is a sharding constraint (``with_sharding_constraint``
     on Auto axes, ``jax.sharding.reshard`` on Explicit ones). A partial layout
-    as the source reduces (see :mod:`dtensor.partial`).
+    as the source reduces (see :mod:`dtensor.core.partial`).
 
     Args:
         x: a ``jax.Array`` (or host data, which is copied to the mesh).
@@ -58,7 +58,7 @@ def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"relayout of {name} needs a dtensor.Layout, got {type(layout).__name__}.")
-    from .partial import partial_layout_of, relayout_partial
+    from dtensor.core.partial import partial_layout_of, relayout_partial
 
     if layout.is_partial or partial_layout_of(x, layout.mesh) is not None:
         return relayout_partial(x, layout, name=name)
@@ -114,7 +114,7 @@ def fetch_layout(x: Any) -> Layout:
         >>> dtensor.fetch_layout(y)
         Layout(['x'], mesh=Mesh(x=8))
     """
-    from .partial import PartialArray
+    from dtensor.core.partial import PartialArray
 
     if isinstance(x, PartialArray):
         return x.layout
@@ -197,7 +197,7 @@ def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.A
     (local,) = shapes
     global_shape = layout.global_shape(local)
     if layout.is_partial:  # blocks differ along the partial axes (see dtensor.partial)
-        from .partial import assemble, stacked_layout
+        from dtensor.core.partial import assemble, stacked_layout
 
         n = layout.mesh.axis_size(layout.partial_axes)
         stacked = [np.expand_dims(np.asarray(s), 0) for s in shards]
@@ -246,7 +246,7 @@ def unpack(x: jax.Array) -> list[jax.Array]:
         >>> [float(b[0]) for b in dtensor.unpack(x)]
         [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
     """
-    from .partial import blocks_of, partial_layout_of
+    from dtensor.core.partial import blocks_of, partial_layout_of
 
     if partial_layout_of(x) is not None:
         return blocks_of(x)
@@ -273,7 +273,7 @@ def call_with_layout(
         True
     """
     if isinstance(layout, Layout) and layout.is_partial:
-        from .partial import call_per_device
+        from dtensor.core.partial import call_per_device
 
         return call_per_device(fn, layout, args, kwargs)
     flat, argdef = jax.tree.flatten((args, kwargs))

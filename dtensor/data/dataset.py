@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .api import copy_to_mesh
-from .layout import Layout, LayoutError
-from .mesh import Mesh
+from dtensor.core.arrays import copy_to_mesh
+from dtensor.core.layout import Layout, LayoutError
+from dtensor.core.mesh import Mesh
 
 __all__ = ["DTensorDataset", "pad_batch"]
 
@@ -39,7 +39,7 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
 
     Examples:
         >>> import numpy as np
-        >>> from dtensor.input import pad_batch
+        >>> from dtensor.data.dataset import pad_batch
         >>> b, w = pad_batch({"x": np.ones((5, 2))}, 4)
         >>> b["x"].shape, w.tolist()
         ((8, 2), [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])

@@ -1,7 +1,7 @@
 """`explain`: what a compiled step communicates and stores, against the minimum.
 
 ``explain(fn, *args)`` compiles ``fn`` (never runs it) and returns a
-:class:`Report`: every collective XLA emitted (see :mod:`dtensor.hlo`), the
+:class:`Report`: every collective XLA emitted (see :mod:`dtensor.analysis.hlo`), the
 per-device memory from ``memory_analysis()``, a table of the step's variables
 (parameters and optimizer state) with their layouts, the theoretical minimum
 communication for those layouts, and warnings about layouts that went wrong.
@@ -30,9 +30,6 @@ all-reduces) depend on the model, so the caller adds them as
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,121 +37,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from .hlo import Collective, parse_collectives
-from .layout import Layout
-from .mesh import Mesh
-from .report import human_bytes
-from .rules import path_str
+from dtensor.analysis.hlo import Collective, parse_collectives
+from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
+from dtensor.core.layout import Layout
+from dtensor.core.mesh import Mesh
+from dtensor.core.rules import path_str
+from dtensor.core.text import human_bytes
 
-__all__ = ["explain", "Report", "VariableInfo", "Finding", "Collective"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class VariableInfo:
-    """One variable leaf: where it lives and what it costs per device."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    layout: str
-    rule: str | None
-    bytes_per_device: int
-    global_bytes: int
-    trainable: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with sorted keys."""
-        return dict(sorted({**dataclasses.asdict(self), "shape": list(self.shape)}.items()))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Finding:
-    """A warning: ``kind`` is ``replicated``, ``unmatched`` or ``silent-replication``."""
-
-    kind: str
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with sorted keys."""
-        return {"kind": self.kind, "message": self.message, "path": self.path}
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What :func:`explain` found; ``str(report)`` renders tables, ``to_dict()`` JSON.
-
-    Byte figures are per device. ``comm_bytes_per_device`` sums
-    ``bytes_per_device * count`` over ``collectives``; the memory figures are
-    XLA's (``None`` when the backend gives no ``memory_analysis``), and
-    ``argument_bytes_per_device`` includes the batch.
-    ``state_bytes_per_device`` is what the variables occupy in their layouts;
-    ``ideal_state_bytes_per_device`` what they would occupy split evenly over
-    all devices of the mesh.
-
-    On TPU meshes ``ici_bytes_per_device`` / ``dcn_bytes_per_device`` split
-    the communication between the network inside a slice and the one between
-    slices (``None`` elsewhere), and ``memory_fit`` holds the per-chip memory
-    against the chip's HBM (a :class:`dtensor.tpu.MemoryFit`, ``None`` when the
-    chip is not known).
-    """
-
-    collectives: tuple[Collective, ...]
-    comm_bytes_per_device: float
-    min_comm_bytes_per_device: float
-    argument_bytes_per_device: int | None
-    output_bytes_per_device: int | None
-    temp_bytes_per_device: int | None
-    alias_bytes_per_device: int | None
-    state_bytes_per_device: int
-    ideal_state_bytes_per_device: int
-    variables: tuple[VariableInfo, ...]
-    warnings: tuple[Finding, ...]
-    mesh: str
-    data_axes: tuple[str, ...]
-    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
-    ici_bytes_per_device: float | None = None
-    dcn_bytes_per_device: float | None = None
-    memory_fit: Any = None
-
-    @property
-    def comm_ratio(self) -> float:
-        """``comm / min`` (1.0 when both are 0, ``inf`` when only the minimum is)."""
-        if self.min_comm_bytes_per_device == 0:
-            return 1.0 if self.comm_bytes_per_device == 0 else math.inf
-        return self.comm_bytes_per_device / self.min_comm_bytes_per_device
-
-    def by_kind(self) -> dict[str, float]:
-        """Bytes per device for each collective kind present."""
-        out: dict[str, float] = {}
-        for c in self.collectives:
-            out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes_per_device
-        return dict(sorted(out.items()))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, deterministic (sorted keys; ``comm_ratio`` ``None`` if infinite)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del d["compiled"]
-        ratio = self.comm_ratio
-        d.update(
-            collectives=[c.to_dict() for c in self.collectives],
-            comm_ratio=None if math.isinf(ratio) else ratio,
-            data_axes=list(self.data_axes),
-            memory_fit=None if self.memory_fit is None else self.memory_fit.to_dict(),
-            variables=[v.to_dict() for v in self.variables],
-            warnings=[w.to_dict() for w in self.warnings],
-        )
-        return dict(sorted(d.items()))
-
-    def to_json(self, **kwargs: Any) -> str:
-        """``json.dumps(self.to_dict(), sort_keys=True, ...)``."""
-        return json.dumps(self.to_dict(), sort_keys=True, **kwargs)
-
-    def __str__(self) -> str:
-        return _render(self)
+__all__ = ["explain", "min_comm_bytes"]
 
 
 # --------------------------------------------------------------------- helpers
@@ -175,15 +65,6 @@ def _layout(sharding: jax.sharding.Sharding, rank: int) -> Layout | None:
         return Layout.from_sharding(sharding, rank)
     except (TypeError, ValueError):
         return None
-
-
-def layout_text(layout: Layout | None, sharding: Any = None) -> str:
-    """A layout's specs as ``[x, unsharded]`` (tuples of axes as ``(a,b)``)."""
-    if layout is None:
-        return str(sharding)
-    parts = [s if isinstance(s, str) else "(" + ",".join(s) + ")" for s in layout.sharding_specs]
-    text = "[" + ", ".join(parts) + "]"
-    return text + (f" partial{list(layout.partial_axes)}" if layout.partial_axes else "")
 
 
 def _program_mesh(compiled: Any) -> Mesh | None:
@@ -229,7 +110,7 @@ def min_comm_bytes(global_bytes: int, layout: Layout | None, data_axes: Sequence
 
     Examples:
         >>> import dtensor
-        >>> from dtensor.inspect import min_comm_bytes
+        >>> from dtensor.analysis.explain import min_comm_bytes
         >>> mesh = dtensor.create_mesh([("x", 8)])
         >>> min_comm_bytes(800, dtensor.Layout([None], mesh), ["x"])   # all-reduce
         1400.0
@@ -333,7 +214,7 @@ def explain(
     try:
         compiled = lower(*args, **kwargs).compile()
     except Exception as err:  # the TPU compiler refuses programs larger than HBM
-        from .tpu import out_of_memory
+        from dtensor.analysis.memory import out_of_memory
 
         oom = out_of_memory(err)
         if oom is None:
@@ -400,7 +281,7 @@ def _network_bytes(collectives: Sequence[Collective], network: str, slices: Any)
 def _memory_fit(mem: Any, mesh: Mesh | None) -> Any:
     if mem is None or mesh is None or mesh.platform != "tpu":
         return None
-    from .tpu import memory_fit
+    from dtensor.analysis.memory import memory_fit
 
     return memory_fit(mem, mesh.device_list)
 
@@ -537,83 +418,3 @@ def _silent(path: str, asked: Any, got: Any, rank: int, verb: str) -> Finding:
 def _mem(mem: Any, field: str) -> int | None:
     value = getattr(mem, field, None) if mem is not None else None
     return None if value is None else int(value)
-
-
-def _render(report: Report) -> str:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console(
-        file=io.StringIO(), width=120, color_system=None, force_terminal=False, force_jupyter=False
-    )
-    ratio = report.comm_ratio
-    summary = Table(title=f"dtensor.explain on {report.mesh or 'one device'}", show_header=False)
-    summary.add_column("figure")
-    summary.add_column("per device", justify="right")
-    mem = [
-        ("arguments (incl. batch)", report.argument_bytes_per_device),
-        ("outputs", report.output_bytes_per_device),
-        ("temporaries", report.temp_bytes_per_device),
-        ("aliased", report.alias_bytes_per_device),
-    ]
-    nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
-    nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
-    rows = [
-        ("communication", human_bytes(report.comm_bytes_per_device)),
-        *((k, human_bytes(v)) for k, v in nets if v is not None),
-        ("minimum for these layouts", human_bytes(report.min_comm_bytes_per_device)),
-        ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
-        ("state (variables)", human_bytes(report.state_bytes_per_device)),
-        ("state, ideally sharded", human_bytes(report.ideal_state_bytes_per_device)),
-        *((k, "-" if v is None else human_bytes(v)) for k, v in mem),
-        ("data axes", ", ".join(report.data_axes) or "-"),
-    ]
-    for k, v in rows:
-        summary.add_row(k, v)
-    console.print(summary)
-    if report.memory_fit is not None:
-        console.print(str(report.memory_fit), markup=False, highlight=False)
-
-    coll = Table(title="Collectives")
-    for name in ("kind", "mesh axes", "dtype", "shape", "group", "runs", "ops", "bytes/device"):
-        coll.add_column(
-            name, justify="right" if name in ("group", "runs", "ops", "bytes/device") else "left"
-        )
-    merged: dict[tuple[Any, ...], list[float]] = {}
-    for c in report.collectives:
-        key = (c.kind, c.network, c.mesh_axes, c.dtype, c.shape, c.group_size, c.count)
-        merged.setdefault(key, []).append(c.total_bytes_per_device)
-    for (kind, network, axes, dtype, shape, n, count), b in merged.items():
-        cells = (
-            f"{kind} ({network})" if network else kind,
-            ",".join(axes) or "-",
-            dtype,
-            str(list(shape)),
-            str(n),
-            str(count),
-            str(len(b)),
-            human_bytes(sum(b)),
-        )
-        coll.add_row(*map(escape, cells))
-    console.print(coll)
-
-    var = Table(title="Variables")
-    for name in ("path", "shape", "dtype", "layout", "rule", "bytes/device"):
-        var.add_column(name, justify="right" if name == "bytes/device" else "left")
-    for v in report.variables:
-        cells = (
-            v.path,
-            str(list(v.shape)),
-            v.dtype,
-            v.layout,
-            v.rule or "-",
-            human_bytes(v.bytes_per_device),
-        )
-        var.add_row(*map(escape, cells))
-    console.print(var)
-    if report.warnings:
-        console.print("Warnings:")
-        for w in report.warnings:
-            console.print(f"  [{w.kind}] {w.message}", markup=False, highlight=False)
-    return console.file.getvalue()  # type: ignore[attr-defined]

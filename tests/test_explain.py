@@ -11,14 +11,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dtensor
-from dtensor.hlo import (
+from dtensor.analysis.explain import min_comm_bytes
+from dtensor.analysis.hlo import (
     array_bytes,
     dtype_bits,
     parse_collectives,
     parse_replica_groups,
     ring_bytes,
 )
-from dtensor.inspect import min_comm_bytes
 
 F32 = 4
 # MLP parameters: w1 16x32, b1 32, w2 32x4 -> 672 floats.

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .mesh import AxisTypes, Mesh, MeshError, create_mesh, resolve_sizes
+from dtensor.core.mesh import AxisTypes, Mesh, MeshError, create_mesh, resolve_sizes
 
 __all__ = ["create_distributed_mesh", "device_groups"]
 
@@ -60,7 +60,7 @@ def device_groups(devices: Sequence[Any]) -> tuple[str, list[list[Any]]]:
 
     Examples:
         >>> import jax
-        >>> from dtensor.distributed_mesh import device_groups
+        >>> from dtensor.runtime.distributed_mesh import device_groups
         >>> by, groups = device_groups(jax.devices())
         >>> by, [len(g) for g in groups]
         ('process_index', [8])

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .api import relayout
-from .layout import UNSHARDED, DimSpec, Layout, LayoutError
-from .mesh import Mesh, current_mesh
+from dtensor.core.arrays import relayout
+from dtensor.core.layout import UNSHARDED, DimSpec, Layout, LayoutError
+from dtensor.core.mesh import Mesh, current_mesh
 
 __all__ = [
     "LayoutMap",
@@ -37,7 +37,7 @@ def path_str(path: Sequence[Any]) -> str:
 
     Examples:
         >>> import jax
-        >>> from dtensor.rules import path_str
+        >>> from dtensor.core.rules import path_str
         >>> [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path({"w": [1, 2]})]
         ['w/0', 'w/1']
     """

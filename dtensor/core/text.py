@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .layout import Layout
-from .rules import is_leaf, path_str
+from dtensor.core.layout import Layout
+from dtensor.core.rules import is_leaf, path_str
 
 __all__ = ["human_bytes", "layouts_table", "render"]
 
@@ -22,7 +22,7 @@ def human_bytes(n: float) -> str:
     """``n`` bytes in binary units, as the reports print them.
 
     Examples:
-        >>> from dtensor.report import human_bytes
+        >>> from dtensor.core.text import human_bytes
         >>> human_bytes(512), human_bytes(3 * 2**20)
         ('512 B', '3.0 MiB')
     """
@@ -42,8 +42,8 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
         >>> import dtensor, jax.numpy as jnp
         >>> mesh = dtensor.create_mesh([("x", 8)])
         >>> tree = {"w": jnp.zeros((8, 4))}
-        >>> table = dtensor.report.layouts_table(tree, *dtensor.resolve_layouts(tree, dtensor.LayoutMap(mesh, [("w", ("x", None))])))
-        >>> "w" in dtensor.report.render(table)
+        >>> table = dtensor.core.text.layouts_table(tree, *dtensor.resolve_layouts(tree, dtensor.LayoutMap(mesh, [("w", ("x", None))])))
+        >>> "w" in dtensor.core.text.render(table)
         True
     """
     from flax import nnx

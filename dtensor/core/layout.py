@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .mesh import Mesh, create_mesh
-from .reduce_op import ReduceOp
+from dtensor.core.mesh import Mesh, create_mesh
+from dtensor.core.reduce_op import ReduceOp
 
 __all__ = ["UNSHARDED", "Layout", "LayoutError", "DimSpec"]
 
@@ -435,7 +435,7 @@ class Layout:
 
         See :func:`dtensor.visualize`.
         """
-        from .visualize import visualize
+        from dtensor.core.visualize import visualize
 
         return visualize(self, shape=shape, show=show)
 

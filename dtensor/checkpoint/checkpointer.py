@@ -46,10 +46,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .api import fetch_layout
-from .layout import Layout
-from .mesh import Mesh, create_mesh, current_mesh
-from .rules import LayoutMap, path_str, resolve_layouts
+from dtensor.core.arrays import fetch_layout
+from dtensor.core.layout import Layout
+from dtensor.core.mesh import Mesh, create_mesh, current_mesh
+from dtensor.core.rules import LayoutMap, path_str, resolve_layouts
 
 __all__ = ["Checkpointer", "CheckpointError", "save", "restore", "read_manifest"]
 

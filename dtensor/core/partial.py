@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .layout import UNSHARDED, Layout, LayoutError
-from .mesh import Mesh
-from .reduce_op import ReduceOp
+from dtensor.core.layout import UNSHARDED, Layout, LayoutError
+from dtensor.core.mesh import Mesh
+from dtensor.core.reduce_op import ReduceOp
 
 __all__ = [
     "PartialArray",
@@ -66,7 +66,7 @@ def is_native(layout: Layout) -> bool:
 
     Examples:
         >>> import dtensor
-        >>> from dtensor.partial import is_native
+        >>> from dtensor.core.partial import is_native
         >>> mesh = dtensor.create_mesh([("x", 8)])
         >>> is_native(dtensor.Layout.partial(mesh, "x", rank=1))
         False
@@ -163,7 +163,7 @@ def partial_layout_of(x: Any, mesh: Mesh | None = None) -> Layout | None:
     if mesh is not None and sharding.mesh in (mesh.jax_mesh, mesh.jax_mesh.abstract_mesh):
         sharding = NamedSharding(mesh.jax_mesh, sharding.spec)
         return Layout.from_sharding(sharding, rank=len(x.shape))
-    from .api import fetch_layout
+    from dtensor.core.arrays import fetch_layout
 
     return fetch_layout(x)
 
@@ -236,7 +236,7 @@ def _plan(src: Layout, target: Layout, shape: tuple[int, ...]) -> dict[int, tupl
 
 def relayout_partial(x: Any, target: Layout, *, name: str = "array") -> Any:
     """Relayout where the source or the target is partial (called by :func:`dtensor.relayout`)."""
-    from .api import is_traced, relayout
+    from dtensor.core.arrays import is_traced, relayout
 
     src = partial_layout_of(x, target.mesh)
     if src is None:
@@ -318,7 +318,7 @@ def call_per_device(
     Array arguments keep their own layouts (they must be on ``layout.mesh``);
     host arrays are replicated. See :func:`dtensor.call_with_layout`.
     """
-    from .api import copy_to_mesh, fetch_layout
+    from dtensor.core.arrays import copy_to_mesh, fetch_layout
 
     name = getattr(fn, "__name__", "fn")
     flat, treedef = jax.tree.flatten((args, kwargs))

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .api import fetch_layout, is_traced
-from .layout import UNSHARDED, Layout, LayoutError
-from .reduce_op import ReduceOp
+from dtensor.core.arrays import fetch_layout, is_traced
+from dtensor.core.layout import UNSHARDED, Layout, LayoutError
+from dtensor.core.reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 

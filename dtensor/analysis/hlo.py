@@ -83,7 +83,7 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> float:
     ``S``.
 
     Examples:
-        >>> from dtensor.hlo import ring_bytes
+        >>> from dtensor.analysis.hlo import ring_bytes
         >>> ring_bytes("all-reduce", 800, 8), ring_bytes("reduce-scatter", 100, 8)
         (1400.0, 700.0)
     """
@@ -297,7 +297,7 @@ def parse_replica_groups(text: str | None, num_devices: int) -> list[list[int]]:
     """Logical device ids of each replica group, from any of the three syntaxes.
 
     Examples:
-        >>> from dtensor.hlo import parse_replica_groups
+        >>> from dtensor.analysis.hlo import parse_replica_groups
         >>> parse_replica_groups("{{0,2},{1,3}}", 4)
         [[0, 2], [1, 3]]
         >>> parse_replica_groups("[2,2]<=[2,2]T(1,0)", 4)

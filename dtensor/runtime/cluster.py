@@ -47,7 +47,7 @@ class ClusterSpec:
         local_device_count: CPU devices this process should simulate, if asked.
 
     Examples:
-        >>> from dtensor.runtime import parse_tf_config
+        >>> from dtensor.runtime.cluster import parse_tf_config
         >>> parse_tf_config('{"cluster": {"worker": ["a:1", "b:2"]}, '
         ...                 '"task": {"type": "worker", "index": 1}}')
         ClusterSpec(coordinator_address='a:1', num_processes=2, process_id=1, source='TF_CONFIG', local_device_count=None)
@@ -89,7 +89,7 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> ClusterSpec:
             not a worker.
 
     Examples:
-        >>> from dtensor.runtime import parse_tf_config
+        >>> from dtensor.runtime.cluster import parse_tf_config
         >>> spec = parse_tf_config({"cluster": {"chief": ["c:7"], "worker": ["w0:7", "w1:7"]},
         ...                         "task": {"type": "worker", "index": 0}})
         >>> spec.coordinator_address, spec.num_processes, spec.process_id
@@ -201,7 +201,7 @@ def resolve_cluster(
         ClusterConfigError: a partial or inconsistent description.
 
     Examples:
-        >>> from dtensor.runtime import resolve_cluster
+        >>> from dtensor.runtime.cluster import resolve_cluster
         >>> resolve_cluster(environ={}) is None
         True
         >>> resolve_cluster(environ={"DTENSOR_COORDINATOR": "127.0.0.1:1234",

@@ -1,4 +1,4 @@
-"""Tests for dtensor.api: relayout, pack/unpack, fetch/check_layout, call_with_layout, copy_to_mesh."""
+"""Tests for dtensor.core.arrays: relayout, pack/unpack, fetch/check_layout, call_with_layout, copy_to_mesh."""
 
 from __future__ import annotations
 

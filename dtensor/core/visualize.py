@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .api import fetch_layout
-from .layout import Layout
+from dtensor.core.arrays import fetch_layout
+from dtensor.core.layout import Layout
 
 __all__ = ["visualize"]
 

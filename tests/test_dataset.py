@@ -9,7 +9,7 @@ import pytest
 import dtensor
 from dtensor import UNSHARDED as U
 from dtensor import DTensorDataset, Layout, LayoutError
-from dtensor.input import pad_batch
+from dtensor.data.dataset import pad_batch
 
 
 @pytest.fixture(scope="module")

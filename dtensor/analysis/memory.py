@@ -1,43 +1,30 @@
-"""TPU topologies without a TPU: real device objects for ahead-of-time compiles.
-
-With ``libtpu`` installed (``pip install "jax[tpu]"`` brings the matching
-one), :func:`tpu_topology` returns the devices of any Cloud TPU topology, on
-any machine, even with ``JAX_PLATFORMS=cpu``: they carry ``coords``,
-``core_on_chip``, ``process_index`` and (for several slices)
-``slice_index``, and ``jax.jit(...).lower(abstract args).compile()`` over a
-mesh of them runs the real TPU compiler. Pass them as ``devices=`` to
-:func:`dtensor.create_mesh`, :func:`dtensor.create_distributed_mesh` or any
-preset, then ask :func:`dtensor.explain` (or ``strategy.explain``) what the
-step costs per chip.
+"""Memory per chip: a compiled program's bytes against the TPU chip's HBM.
 
 :func:`memory_fit` sets a compiled program's per-device memory against the
-chip's HBM (:data:`CHIP_HBM_GIB`) and gives the verdict.
+chip's HBM (:data:`CHIP_HBM_GIB`) and gives the verdict; :func:`out_of_memory`
+turns the TPU compiler's out-of-HBM error into a :class:`WillNotFitError`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
-import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .report import human_bytes
+from dtensor.core.text import human_bytes
 
 __all__ = [
     "CHIP_HBM_GIB",
     "MemoryFit",
-    "TopologyError",
     "WillNotFitError",
     "chip_generation",
     "memory_fit",
+    "out_of_memory",
     "padded_bytes",
-    "tpu_topology",
 ]
 
 GIB = 1 << 30
@@ -55,12 +42,6 @@ _KINDS = {
     "TPU v6 lite": "v6e",
     "TPU v6e": "v6e",
 }
-
-_EXAMPLES = "'v5e:4x4', 'v5e:16x16', 'v4:2x2x2', 'v5p:2x2x2', 'v6e:4x4'"
-
-
-class TopologyError(ValueError):
-    """A TPU topology that libtpu cannot describe."""
 
 
 class WillNotFitError(ValueError):
@@ -89,7 +70,7 @@ def out_of_memory(error: BaseException) -> WillNotFitError | None:
     """The :class:`WillNotFitError` for the TPU compiler's out-of-HBM error, else ``None``.
 
     Examples:
-        >>> from dtensor.tpu import out_of_memory
+        >>> from dtensor.analysis.memory import out_of_memory
         >>> err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
         ...                    "required for HLO temporaries (16.00G) exceeds available HBM (15.75G).")
         >>> print(out_of_memory(err))  # doctest: +ELLIPSIS
@@ -127,113 +108,12 @@ def out_of_memory(error: BaseException) -> WillNotFitError | None:
     )
 
 
-@contextlib.contextmanager
-def _quiet_libtpu() -> Iterator[None]:
-    """Tell libtpu there is no TPU VM to query (else it prints errors on first use).
-
-    Only where no TPU is attached, and only while the plugin starts; the
-    topology it then describes is the same either way.
-    """
-    attached = any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
-    quiet = {
-        # No TPU to guard: let several processes (pytest-xdist workers) load libtpu.
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-        "TPU_SKIP_MDS_QUERY": "1",
-        "TPU_ACCELERATOR_TYPE": "v5litepod-16",
-        "TPU_WORKER_HOSTNAMES": "localhost",
-    }
-    added = [] if attached else [k for k in quiet if k not in os.environ]
-    for k in added:
-        os.environ[k] = quiet[k]
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-@functools.lru_cache(maxsize=32)
-def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
-    from jax._src.lib import _jax
-    from jax.experimental import topologies
-
-    try:
-        with _quiet_libtpu():
-            desc = topologies.get_topology_desc(
-                platform="tpu", topology_name=name, num_slices=num_slices
-            )
-    except RuntimeError as e:
-        if "lockfile" in str(e):
-            raise RuntimeError(
-                f"tpu_topology({name!r}): libtpu is in use by another process ({e}). Set "
-                "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in the environment of every process that compiles "
-                "for TPU topologies (dtensor sets it itself where no TPU is attached)."
-            ) from None
-        if isinstance(e, _jax.JaxRuntimeError):
-            detail = str(e).removeprefix("INVALID_ARGUMENT: ")
-            raise TopologyError(
-                f"tpu_topology({name!r}, num_slices={num_slices}) is not a topology libtpu "
-                f"can describe ({detail}). Name a generation and its chip grid, e.g. "
-                f"{_EXAMPLES} (v4/v5p grids are 3-D, v5e/v6e 2-D)."
-            ) from None
-        raise RuntimeError(
-            f"tpu_topology({name!r}) needs libtpu, which is not installed ({e}). Install the "
-            "one matching jax: pip install 'jax[tpu]==<your jax version>' (for jax 0.10.2: "
-            "pip install 'libtpu==0.0.42.*'), or pip install -e '.[dev]' in this project."
-        ) from None
-    return tuple(desc.devices)
-
-
-def tpu_topology(name: str, *, num_slices: int = 1) -> list[Any]:
-    """The devices of a Cloud TPU topology, from libtpu's compiler (no TPU needed).
-
-    Use them as ``devices=`` anywhere (:func:`dtensor.create_mesh`,
-    :func:`dtensor.create_distributed_mesh`, every preset) to compile for that
-    topology ahead of time; they cannot run anything. Calls with the same
-    arguments return the same device objects.
-
-    Args:
-        name: generation and chip grid, as Cloud TPU names them:
-            ``"v5e:4x4"`` (16 chips), ``"v5e:16x16"``, ``"v4:2x2x2"``,
-            ``"v5p:2x2x2"``, ``"v6e:4x4"``.
-        num_slices: how many such slices, joined by DCN (multislice); the
-            devices then carry ``slice_index``.
-
-    Returns:
-        The devices, slice by slice, each slice host by host.
-
-    Raises:
-        TopologyError: a name or slice count libtpu does not accept.
-        RuntimeError: libtpu is not installed.
-
-    Examples:
-        >>> import dtensor
-        >>> devices = dtensor.tpu_topology("v5e:4x4", num_slices=2)
-        >>> len(devices), devices[0].platform, devices[0].device_kind
-        (32, 'tpu', 'TPU v5 lite')
-        >>> sorted({d.slice_index for d in devices})
-        [0, 1]
-        >>> dtensor.create_mesh([("data", 2), ("model", 16)], devices=devices)
-        Mesh(data=2, model=16)
-    """
-    if not isinstance(name, str) or not name:
-        raise TopologyError(
-            f"tpu_topology(name={name!r}): the name must be a string such as {_EXAMPLES}."
-        )
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise TopologyError(
-            f"tpu_topology({name!r}, num_slices={num_slices!r}): num_slices must be a positive "
-            "integer (1 for one slice, 2+ for multislice over DCN)."
-        )
-    return list(_topology(name.strip(), num_slices))
-
-
 def chip_generation(devices: Sequence[Any]) -> str | None:
     """``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"`` for TPU devices (``None`` otherwise).
 
     Examples:
         >>> import dtensor
-        >>> from dtensor.tpu import chip_generation
+        >>> from dtensor.analysis.memory import chip_generation
         >>> chip_generation(dtensor.tpu_topology("v4:2x2x2"))
         'v4'
     """
@@ -262,7 +142,7 @@ class MemoryFit:
     arguments are counted once).
 
     Examples:
-        >>> from dtensor.tpu import MemoryFit
+        >>> from dtensor.analysis.memory import MemoryFit
         >>> fit = MemoryFit("v5e", 16 << 30, 1, 20 << 30, 1 << 30, 1 << 30, 2 << 30, 0)
         >>> fit.fits, round(fit.bytes_per_chip / 2**30, 1)
         (False, 22.0)
@@ -377,7 +257,7 @@ def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
     Examples:
         >>> import numpy as np
         >>> from types import SimpleNamespace as L
-        >>> from dtensor.tpu import padded_bytes
+        >>> from dtensor.analysis.memory import padded_bytes
         >>> padded_bytes((32,), np.float32, L(major_to_minor=(0,), tiling=((128,),)))
         512
         >>> padded_bytes((64, 1000), np.float32, L(major_to_minor=(0, 1), tiling=((8, 128),)))

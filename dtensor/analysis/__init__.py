@@ -1,0 +1,1 @@
+"""Analysis of compiled steps: explain, HLO collectives, memory per chip."""

@@ -1,0 +1,209 @@
+"""`Report`: what :func:`dtensor.explain` found in a compiled step, as values and as text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from dtensor.analysis.hlo import Collective
+from dtensor.core.layout import Layout
+from dtensor.core.text import human_bytes, render
+
+__all__ = ["Finding", "Report", "VariableInfo", "layout_text"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VariableInfo:
+    """One variable leaf: where it lives and what it costs per device."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    rule: str | None
+    bytes_per_device: int
+    global_bytes: int
+    trainable: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys."""
+        return dict(sorted({**dataclasses.asdict(self), "shape": list(self.shape)}.items()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finding:
+    """A warning: ``kind`` is ``replicated``, ``unmatched`` or ``silent-replication``."""
+
+    kind: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys."""
+        return {"kind": self.kind, "message": self.message, "path": self.path}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`explain` found; ``str(report)`` renders tables, ``to_dict()`` JSON.
+
+    Byte figures are per device. ``comm_bytes_per_device`` sums
+    ``bytes_per_device * count`` over ``collectives``; the memory figures are
+    XLA's (``None`` when the backend gives no ``memory_analysis``), and
+    ``argument_bytes_per_device`` includes the batch.
+    ``state_bytes_per_device`` is what the variables occupy in their layouts;
+    ``ideal_state_bytes_per_device`` what they would occupy split evenly over
+    all devices of the mesh.
+
+    On TPU meshes ``ici_bytes_per_device`` / ``dcn_bytes_per_device`` split
+    the communication between the network inside a slice and the one between
+    slices (``None`` elsewhere), and ``memory_fit`` holds the per-chip memory
+    against the chip's HBM (a :class:`dtensor.analysis.memory.MemoryFit`, ``None`` when the
+    chip is not known).
+    """
+
+    collectives: tuple[Collective, ...]
+    comm_bytes_per_device: float
+    min_comm_bytes_per_device: float
+    argument_bytes_per_device: int | None
+    output_bytes_per_device: int | None
+    temp_bytes_per_device: int | None
+    alias_bytes_per_device: int | None
+    state_bytes_per_device: int
+    ideal_state_bytes_per_device: int
+    variables: tuple[VariableInfo, ...]
+    warnings: tuple[Finding, ...]
+    mesh: str
+    data_axes: tuple[str, ...]
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+    ici_bytes_per_device: float | None = None
+    dcn_bytes_per_device: float | None = None
+    memory_fit: Any = None
+
+    @property
+    def comm_ratio(self) -> float:
+        """``comm / min`` (1.0 when both are 0, ``inf`` when only the minimum is)."""
+        if self.min_comm_bytes_per_device == 0:
+            return 1.0 if self.comm_bytes_per_device == 0 else math.inf
+        return self.comm_bytes_per_device / self.min_comm_bytes_per_device
+
+    def by_kind(self) -> dict[str, float]:
+        """Bytes per device for each collective kind present."""
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes_per_device
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, deterministic (sorted keys; ``comm_ratio`` ``None`` if infinite)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del d["compiled"]
+        ratio = self.comm_ratio
+        d.update(
+            collectives=[c.to_dict() for c in self.collectives],
+            comm_ratio=None if math.isinf(ratio) else ratio,
+            data_axes=list(self.data_axes),
+            memory_fit=None if self.memory_fit is None else self.memory_fit.to_dict(),
+            variables=[v.to_dict() for v in self.variables],
+            warnings=[w.to_dict() for w in self.warnings],
+        )
+        return dict(sorted(d.items()))
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict(), sort_keys=True, ...)``."""
+        return json.dumps(self.to_dict(), sort_keys=True, **kwargs)
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+def layout_text(layout: Layout | None, sharding: Any = None) -> str:
+    """A layout's specs as ``[x, unsharded]`` (tuples of axes as ``(a,b)``)."""
+    if layout is None:
+        return str(sharding)
+    parts = [s if isinstance(s, str) else "(" + ",".join(s) + ")" for s in layout.sharding_specs]
+    text = "[" + ", ".join(parts) + "]"
+    return text + (f" partial{list(layout.partial_axes)}" if layout.partial_axes else "")
+
+
+def _render(report: Report) -> str:
+    parts: list[Any] = []
+    ratio = report.comm_ratio
+    summary = Table(title=f"dtensor.explain on {report.mesh or 'one device'}", show_header=False)
+    summary.add_column("figure")
+    summary.add_column("per device", justify="right")
+    mem = [
+        ("arguments (incl. batch)", report.argument_bytes_per_device),
+        ("outputs", report.output_bytes_per_device),
+        ("temporaries", report.temp_bytes_per_device),
+        ("aliased", report.alias_bytes_per_device),
+    ]
+    nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
+    nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
+    rows = [
+        ("communication", human_bytes(report.comm_bytes_per_device)),
+        *((k, human_bytes(v)) for k, v in nets if v is not None),
+        ("minimum for these layouts", human_bytes(report.min_comm_bytes_per_device)),
+        ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
+        ("state (variables)", human_bytes(report.state_bytes_per_device)),
+        ("state, ideally sharded", human_bytes(report.ideal_state_bytes_per_device)),
+        *((k, "-" if v is None else human_bytes(v)) for k, v in mem),
+        ("data axes", ", ".join(report.data_axes) or "-"),
+    ]
+    for k, v in rows:
+        summary.add_row(k, v)
+    parts.append(summary)
+    if report.memory_fit is not None:
+        parts.append(Text(str(report.memory_fit)))
+
+    coll = Table(title="Collectives")
+    for name in ("kind", "mesh axes", "dtype", "shape", "group", "runs", "ops", "bytes/device"):
+        coll.add_column(
+            name, justify="right" if name in ("group", "runs", "ops", "bytes/device") else "left"
+        )
+    merged: dict[tuple[Any, ...], list[float]] = {}
+    for c in report.collectives:
+        key = (c.kind, c.network, c.mesh_axes, c.dtype, c.shape, c.group_size, c.count)
+        merged.setdefault(key, []).append(c.total_bytes_per_device)
+    for (kind, network, axes, dtype, shape, n, count), b in merged.items():
+        cells = (
+            f"{kind} ({network})" if network else kind,
+            ",".join(axes) or "-",
+            dtype,
+            str(list(shape)),
+            str(n),
+            str(count),
+            str(len(b)),
+            human_bytes(sum(b)),
+        )
+        coll.add_row(*map(escape, cells))
+    parts.append(coll)
+
+    var = Table(title="Variables")
+    for name in ("path", "shape", "dtype", "layout", "rule", "bytes/device"):
+        var.add_column(name, justify="right" if name == "bytes/device" else "left")
+    for v in report.variables:
+        cells = (
+            v.path,
+            str(list(v.shape)),
+            v.dtype,
+            v.layout,
+            v.rule or "-",
+            human_bytes(v.bytes_per_device),
+        )
+        var.add_row(*map(escape, cells))
+    parts.append(var)
+    if report.warnings:
+        parts.append(Text("Warnings:"))
+        parts.extend(Text(f"  [{w.kind}] {w.message}") for w in report.warnings)
+    return render(Group(*parts), width=120)

@@ -1,0 +1,1 @@
+"""Input: host data into global arrays laid out on a mesh."""

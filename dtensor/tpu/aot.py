@@ -1,0 +1,291 @@
+"""``python -m dtensor.aot``: compile a training script's step for a TPU topology, here.
+
+    python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py
+    python -m dtensor.aot --topology v5e:4x4 --num-slices 2 --strategy mirrored \\
+        -- examples/train.py --model-size medium --batch-size 64
+
+The script is imported as a module (its ``if __name__ == "__main__":`` block
+does not run) and must define the hook
+
+    aot_step(argv: list[str], *, devices) -> (strategy, step, args)
+
+which parses the script's own arguments, builds its strategy over
+``devices`` (the topology's devices, from :func:`dtensor.tpu_topology`) and
+returns it with the train step and the step's arguments, abstract
+(``jax.ShapeDtypeStruct`` batches, ``nnx.eval_shape`` models: nothing is
+allocated). The CLI compiles ``strategy.explain(step, args=args)`` with the
+real TPU compiler and prints, per chip: memory against the chip's HBM with a
+verdict, and communication split into ICI (within a slice) and DCN (between
+slices). ``--strategy NAME`` is passed on to the script, as are options the
+CLI does not know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dtensor.core.text import human_bytes
+
+__all__ = ["AotError", "AotResult", "cli", "compile_script", "load_script", "main", "summary"]
+
+HOOK = "aot_step"
+
+
+class AotError(ValueError):
+    """A script or command line the AOT compiler cannot use."""
+
+
+def load_script(path: str | os.PathLike[str]) -> ModuleType:
+    """Import a Python script as a module (not as ``__main__``) and check it has the hook.
+
+    Args:
+        path: the script's file.
+
+    Returns:
+        The module.
+
+    Raises:
+        AotError: no such file, or no ``aot_step`` in it.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise AotError(
+            f"script {str(path)!r} does not exist (looked in {Path.cwd()}); give the path of a "
+            "training script that defines aot_step(argv, *, devices), e.g. examples/train.py."
+        )
+    spec = importlib.util.spec_from_file_location(f"_dtensor_aot_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise AotError(f"script {str(path)!r} cannot be imported; give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    if not callable(getattr(module, HOOK, None)):
+        raise AotError(
+            f"script {str(path)!r} defines no {HOOK}(argv, *, devices) function; add one that "
+            "parses the script's arguments, builds its strategy over devices and returns "
+            "(strategy, train_step, abstract_args) -- see examples/train.py."
+        )
+    return module
+
+
+class AotResult:
+    """What :func:`compile_script` compiled: the report and where."""
+
+    def __init__(
+        self,
+        report: Any,
+        strategy: Any,
+        topology: str,
+        num_slices: int,
+        devices: list[Any],
+        seconds: float,
+    ):
+        self.report = report
+        self.strategy = strategy
+        self.topology = topology
+        self.num_slices = num_slices
+        self.devices = devices
+        self.seconds = seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the topology, the strategy's mesh, and the report."""
+        return {
+            "compile_seconds": self.seconds,
+            "device_kind": self.devices[0].device_kind,
+            "devices": len(self.devices),
+            "num_slices": self.num_slices,
+            "report": self.report.to_dict(),
+            "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
+            "topology": self.topology,
+        }
+
+
+def compile_script(
+    script: str | os.PathLike[str] | ModuleType,
+    argv: Sequence[str] = (),
+    *,
+    topology: str,
+    num_slices: int = 1,
+) -> AotResult:
+    """Compile a script's train step for a TPU topology; nothing runs.
+
+    Args:
+        script: the script's path (or the module, from :func:`load_script`).
+        argv: the script's own arguments (``--strategy fully_sharded``...).
+        topology: a TPU topology name (``"v5e:4x4"``), see
+            :func:`dtensor.tpu_topology`.
+        num_slices: slices of that topology, joined by DCN.
+
+    Returns:
+        An :class:`AotResult`; ``.report`` is the :class:`dtensor.Report`.
+
+    Raises:
+        AotError: the script or its hook's result is unusable.
+        dtensor.tpu.topology.TopologyError: an unknown topology.
+    """
+    from dtensor.tpu.topology import tpu_topology
+
+    module = script if isinstance(script, ModuleType) else load_script(script)
+    devices = tpu_topology(topology, num_slices=num_slices)
+    got = getattr(module, HOOK)(list(argv), devices=devices)
+    if not (isinstance(got, tuple) and len(got) == 3 and hasattr(got[0], "explain")):
+        raise AotError(
+            f"{HOOK}() returned {type(got).__name__} {str(got)[:80]!r}; it must return the "
+            "tuple (strategy, step, args), strategy being a strategies preset built over devices."
+        )
+    strategy, step, args = got
+    t0 = time.perf_counter()
+    report = strategy.explain(step, args=tuple(args))
+    seconds = time.perf_counter() - t0
+    return AotResult(report, strategy, topology, num_slices, devices, seconds)
+
+
+def _human(n: float | None) -> str:
+    return "-" if n is None else human_bytes(n)
+
+
+def summary(result: AotResult, *, title: str = "") -> str:
+    """The per-chip view of an :class:`AotResult`: memory vs HBM, ICI/DCN traffic by kind."""
+    from rich.console import Console
+    from rich.table import Table
+
+    r = result.report
+    console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
+    d0 = result.devices[0]
+    slices = f", {result.num_slices} slices over DCN" if result.num_slices > 1 else ""
+    head = title or "dtensor.aot"
+    console.print(
+        f"{head}: {result.topology}{slices} = {len(result.devices)} {d0.device_kind} devices; "
+        f"{r.mesh}; compiled by the TPU compiler in {result.seconds:.1f} s",
+        highlight=False,
+        soft_wrap=True,
+    )
+    fit = r.memory_fit
+    mem = Table(title="memory per chip", show_header=False)
+    mem.add_column("figure")
+    mem.add_column("bytes", justify="right")
+    rows = [
+        ("arguments (incl. batch)", r.argument_bytes_per_device),
+        ("outputs", r.output_bytes_per_device),
+        ("aliased (donated)", r.alias_bytes_per_device),
+        ("temporaries", r.temp_bytes_per_device),
+    ]
+    if fit is not None:
+        rows.append(("code", fit.code_bytes))
+        if fit.devices_per_chip > 1:
+            rows.append((f"per device x {fit.devices_per_chip} TensorCores", None))
+        rows.append(("peak per chip", fit.bytes_per_chip))
+        rows.append((f"HBM of a {fit.chip} chip", fit.hbm_bytes_per_chip))
+    rows.append(("variables (state)", r.state_bytes_per_device))
+    rows.append(("variables, ideally sharded", r.ideal_state_bytes_per_device))
+    for k, v in rows:
+        mem.add_row(k, _human(v) if v is not None else "")
+    console.print(mem)
+
+    comm = Table(title="communication per chip, one step")
+    for name in ("network", "kind", "mesh axes", "ops", "bytes"):
+        comm.add_column(name, justify="right" if name in ("ops", "bytes") else "left")
+    groups: dict[tuple[str, str, tuple[str, ...]], list[float]] = {}
+    for c in r.collectives:
+        key = (c.network or "-", c.kind, tuple(c.mesh_axes))
+        acc = groups.setdefault(key, [0, 0.0])
+        acc[0] += c.count
+        acc[1] += c.total_bytes_per_device
+    for (net, kind, axes), (ops, nbytes) in sorted(groups.items()):
+        comm.add_row(net.upper(), kind, ",".join(axes) or "-", str(int(ops)), _human(nbytes))
+    if not groups:
+        comm.add_row("-", "none", "-", "0", "0 B")
+    comm.caption = (
+        f"total {_human(r.comm_bytes_per_device)}: ICI {_human(r.ici_bytes_per_device)}, "
+        f"DCN {_human(r.dcn_bytes_per_device)}; minimum for these layouts "
+        f"{_human(r.min_comm_bytes_per_device)}"
+    )
+    console.print(comm)
+    if fit is not None:
+        verdict = ("OK " if fit.fits else "NO ") + str(fit)
+        console.print(verdict, highlight=False, markup=False, soft_wrap=True)
+    for w in r.warnings[:5]:
+        console.print(f"warning: {w}", highlight=False, markup=False, soft_wrap=True)
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dtensor.aot",
+        description="Compile a training script's step for a TPU topology (no TPU needed) and "
+        "print its per-chip memory and communication.",
+        epilog="Example: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded "
+        "-- examples/train.py --model-size small",
+    )
+    p.add_argument("--topology", required=True, help="e.g. v5e:4x4, v5e:16x16, v4:2x2x2, v5p:2x2x2")
+    p.add_argument("--num-slices", type=int, default=1, help="slices joined by DCN (default 1)")
+    p.add_argument("--strategy", help="passed on to the script as --strategy NAME")
+    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    p.add_argument("--full", action="store_true", help="print the whole explain report too")
+    p.add_argument("script", nargs="?", help="the training script (or give it after --)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 fits, 1 will not fit, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    parser = _parser()
+    args, unknown = parser.parse_known_args(ours)
+    script = args.script
+    if script is None:
+        if not rest:
+            parser.print_usage(sys.stderr)
+            print("error: give the training script, e.g. -- examples/train.py", file=sys.stderr)
+            return 2
+        script, rest = rest[0], rest[1:]
+    script_argv = unknown + (["--strategy", args.strategy] if args.strategy else []) + rest
+    from dtensor.analysis.memory import WillNotFitError
+
+    try:
+        result = compile_script(
+            script, script_argv, topology=args.topology, num_slices=args.num_slices
+        )
+    except WillNotFitError as e:
+        print(f"dtensor.aot {script} {' '.join(script_argv)} on {args.topology}: NO {e}")
+        return 1
+    except ValueError as e:  # AotError, TopologyError, and the script's own checks
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(result, title=f"dtensor.aot {script} {' '.join(script_argv)}".rstrip()))
+    if args.full:
+        print(result.report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result.to_dict(), sort_keys=True, indent=1))
+    fit = result.report.memory_fit
+    return 1 if fit is not None and not fit.fits else 0
+
+
+def cli() -> int:
+    """The command line `python -m dtensor.aot`: selects the CPU platform unless JAX_PLATFORMS says otherwise."""
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        # Compiling for a topology needs no accelerator; do not let JAX probe for one.
+        jax.config.update("jax_platforms", "cpu")
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
