@@ -902,7 +902,7 @@ MULTI_PROCESS = [
     hosts the coordinator. This is what `initialize()` reads from it:
     """),
     code("""
-    from dtensor.runtime.process import parse_tf_config
+    from dtensor.runtime import parse_tf_config
 
     tf_config = {"cluster": {"worker": ["host0:12345", "host1:12345"]}, "task": {"type": "worker", "index": 1}}
     print(parse_tf_config(json.dumps(tf_config)))

@@ -1,44 +1,46 @@
 """strategies: every tf.distribute strategy (and more) as a thin preset over dtensor."""
 
 from dtensor import ReduceOp as ReduceOp
-
-from . import failure_handling as failure_handling
-from .base import Strategy as Strategy
-from .base import get_replica_context as get_replica_context
-from .base import get_strategy as get_strategy
-from .base import in_cross_replica_context as in_cross_replica_context
-from .central_storage import CentralStorageStrategy as CentralStorageStrategy
-from .coordinator import ClusterCoordinator as ClusterCoordinator
-from .coordinator_values import PerWorkerValues as PerWorkerValues
-from .coordinator_values import RemoteValue as RemoteValue
-from .coordinator_values import WorkerFailure as WorkerFailure
-from .cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
-from .cross_device_ops import CommunicationImplementation as CommunicationImplementation
-from .cross_device_ops import CommunicationOptions as CommunicationOptions
-from .cross_device_ops import CrossDeviceOps as CrossDeviceOps
-from .cross_device_ops import CrossDeviceOpsError as CrossDeviceOpsError
-from .cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
-from .cross_device_ops import NcclAllReduce as NcclAllReduce
-from .cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
-from .fsdp import FullyShardedStrategy as FullyShardedStrategy
-from .layout_strategy import LayoutStrategy as LayoutStrategy
-from .mirrored import MirroredStrategy as MirroredStrategy
-from .multi_worker_mirrored import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-from .one_device import OneDeviceStrategy as OneDeviceStrategy
-from .parameter_server import ParameterServerStrategy as ParameterServerStrategy
-from .partitioners import FixedShardsPartitioner as FixedShardsPartitioner
-from .partitioners import MaxSizePartitioner as MaxSizePartitioner
-from .partitioners import MinSizePartitioner as MinSizePartitioner
-from .registry import PRESET_NAMES as PRESET_NAMES
-from .registry import describe_presets as describe_presets
-from .registry import from_name as from_name
-from .tensor_parallel import HybridStrategy as HybridStrategy
-from .tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
-from .tpu import TPUStrategy as TPUStrategy
-from .values import InputContext as InputContext
-from .values import PerReplica as PerReplica
-from .values import ReplicaContext as ReplicaContext
-from .values import ValueContext as ValueContext
+from strategies import failure_handling as failure_handling
+from strategies.base import Strategy as Strategy
+from strategies.context import get_replica_context as get_replica_context
+from strategies.context import in_cross_replica_context as in_cross_replica_context
+from strategies.coordinator import ClusterCoordinator as ClusterCoordinator
+from strategies.coordinator_values import PerWorkerValues as PerWorkerValues
+from strategies.coordinator_values import RemoteValue as RemoteValue
+from strategies.coordinator_values import WorkerFailure as WorkerFailure
+from strategies.cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
+from strategies.cross_device_ops import CommunicationImplementation as CommunicationImplementation
+from strategies.cross_device_ops import CommunicationOptions as CommunicationOptions
+from strategies.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from strategies.cross_device_ops import CrossDeviceOpsError as CrossDeviceOpsError
+from strategies.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from strategies.cross_device_ops import NcclAllReduce as NcclAllReduce
+from strategies.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from strategies.current import get_strategy as get_strategy
+from strategies.current import has_strategy as has_strategy
+from strategies.partitioners import FixedShardsPartitioner as FixedShardsPartitioner
+from strategies.partitioners import MaxSizePartitioner as MaxSizePartitioner
+from strategies.partitioners import MinSizePartitioner as MinSizePartitioner
+from strategies.presets.central_storage import CentralStorageStrategy as CentralStorageStrategy
+from strategies.presets.fsdp import FullyShardedStrategy as FullyShardedStrategy
+from strategies.presets.layout_strategy import LayoutStrategy as LayoutStrategy
+from strategies.presets.mirrored import MirroredStrategy as MirroredStrategy
+from strategies.presets.multi_worker_mirrored import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
+from strategies.presets.one_device import OneDeviceStrategy as OneDeviceStrategy
+from strategies.presets.parameter_server import ParameterServerStrategy as ParameterServerStrategy
+from strategies.presets.tensor_parallel import HybridStrategy as HybridStrategy
+from strategies.presets.tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
+from strategies.presets.tpu import TPUStrategy as TPUStrategy
+from strategies.registry import PRESET_NAMES as PRESET_NAMES
+from strategies.registry import describe_presets as describe_presets
+from strategies.registry import from_name as from_name
+from strategies.values import InputContext as InputContext
+from strategies.values import PerReplica as PerReplica
+from strategies.values import ReplicaContext as ReplicaContext
+from strategies.values import ValueContext as ValueContext
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -78,5 +80,6 @@ __all__ = [
     "from_name",
     "get_replica_context",
     "get_strategy",
+    "has_strategy",
     "in_cross_replica_context",
 ]

@@ -70,12 +70,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtensor.core.rules import path_str
-
-from . import coordinator_step as cs
-from .coordinator_values import PerWorkerDataset, PerWorkerValues, RemoteValue, WorkerFailure
-from .parameter_server import ParameterServerStrategy
-from .values import InputContext
+from dtensor.core.tree import is_node, path_str
+from strategies import coordinator_step as cs
+from strategies.coordinator_values import (
+    PerWorkerDataset,
+    PerWorkerValues,
+    RemoteValue,
+    WorkerFailure,
+)
+from strategies.presets.parameter_server import ParameterServerStrategy
+from strategies.values import InputContext
 
 __all__ = ["ClusterCoordinator", "CoordinatorStats"]
 
@@ -212,8 +216,8 @@ class ClusterCoordinator:
                 "stopped its workers. Create a new ClusterCoordinator."
             )
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        for node in jax.tree.leaves((args, kwargs), is_leaf=_is_node):
-            if _is_node(node):
+        for node in jax.tree.leaves((args, kwargs), is_leaf=is_node):
+            if is_node(node):
                 self._place(node)
         closure = _Closure(next(self._ids), fn, args, kwargs)
         with self._cond:
@@ -409,7 +413,7 @@ class ClusterCoordinator:
     def _run(self, w: int, closure: _Closure) -> Any:
         mesh = self._workers[w]
         args, kwargs = _resolve((closure.args, closure.kwargs), w)
-        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
         modules: list[Any] = []
         optimizers: list[Any] = []
         kinds: list[Any] = []
@@ -417,7 +421,7 @@ class ClusterCoordinator:
         for v in flat:
             if isinstance(v, nnx.Optimizer):
                 kinds.append(_index_of(optimizers, v, cs.OPTIMIZER))
-            elif _is_node(v):
+            elif is_node(v):
                 kinds.append(_index_of(modules, v, cs.MODULE))
             elif isinstance(v, jax.Array | np.ndarray | np.generic):
                 kinds.append(cs.ARRAY)
@@ -469,10 +473,6 @@ class ClusterCoordinator:
 
 
 # ------------------------------------------------------------------- helpers
-def _is_node(x: Any) -> bool:
-    return isinstance(x, nnx.Module | nnx.Optimizer)
-
-
 def _is_remote(x: Any) -> bool:
     return isinstance(x, RemoteValue)
 
@@ -494,7 +494,7 @@ def _resolve(tree: Any, worker: int) -> Any:
         return v
 
     return jax.tree.map(
-        one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or _is_node(v)
+        one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or is_node(v)
     )
 
 

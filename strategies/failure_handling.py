@@ -31,6 +31,7 @@ import jax
 
 from dtensor import Mesh
 from dtensor.checkpoint.checkpointer import Checkpointer
+from dtensor.core.tree import is_node
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "RESTARTABLE_EXIT_CODE"]
 
@@ -76,12 +77,6 @@ def _preemption_service() -> bool:
     except ImportError:  # pragma: no cover - layout of jax's internals
         return False
     return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
-
-
-def _is_graph_node(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Module | nnx.Optimizer)
 
 
 class PreemptionCheckpointHandler:
@@ -141,7 +136,7 @@ class PreemptionCheckpointHandler:
                 f"checkpoint must be a mapping of names to NNX modules/optimizers or pytrees, got "
                 f"{type(checkpoint).__name__}. Pass e.g. {{'model': model, 'optimizer': optimizer}}."
             )
-        plain = [k for k, v in checkpoint.items() if not _is_graph_node(v)]
+        plain = [k for k, v in checkpoint.items() if not is_node(v)]
         if plain and not isinstance(checkpoint, MutableMapping):
             raise TypeError(
                 f"checkpoint entries {plain[:3]} are plain pytrees, which are restored by replacing "
@@ -203,7 +198,7 @@ class PreemptionCheckpointHandler:
         else:
             restored = self._checkpointer.restore(step, target)
         for name, value in target.items():
-            if not _is_graph_node(value):
+            if not is_node(value):
                 self.checkpoint[name] = restored[name]  # type: ignore[index]
 
     def save(self, step: int | None = None) -> None:

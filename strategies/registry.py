@@ -8,18 +8,17 @@ from typing import Any
 import jax
 
 import dtensor
-
-from .base import Strategy
-from .central_storage import CentralStorageStrategy
-from .fsdp import FullyShardedStrategy
-from .layout_strategy import LayoutStrategy
-from .mirrored import MirroredStrategy
-from .multi_worker_mirrored import MultiWorkerMirroredStrategy
-from .one_device import OneDeviceStrategy
-from .parameter_server import ParameterServerStrategy
-from .partitioners import FixedShardsPartitioner
-from .tensor_parallel import HybridStrategy, TensorParallelStrategy
-from .tpu import TPUStrategy
+from strategies.base import Strategy
+from strategies.partitioners import FixedShardsPartitioner
+from strategies.presets.central_storage import CentralStorageStrategy
+from strategies.presets.fsdp import FullyShardedStrategy
+from strategies.presets.layout_strategy import LayoutStrategy
+from strategies.presets.mirrored import MirroredStrategy
+from strategies.presets.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from strategies.presets.one_device import OneDeviceStrategy
+from strategies.presets.parameter_server import ParameterServerStrategy
+from strategies.presets.tensor_parallel import HybridStrategy, TensorParallelStrategy
+from strategies.presets.tpu import TPUStrategy
 
 __all__ = ["PRESET_NAMES", "describe_presets", "from_name"]
 

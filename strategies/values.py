@@ -10,7 +10,7 @@ import jax
 from dtensor import ReduceOp
 
 if TYPE_CHECKING:
-    from .base import Strategy
+    from strategies.base import Strategy
 
 __all__ = ["InputContext", "PerReplica", "ReplicaContext", "ValueContext"]
 
@@ -33,6 +33,11 @@ class InputContext:
     _global_batch_sizes: list[int] = dataclasses.field(
         default_factory=list, compare=False, repr=False
     )
+
+    @property
+    def requested_global_batch_size(self) -> int | None:
+        """The global batch size the input function last asked about (``None``: it asked none)."""
+        return self._global_batch_sizes[-1] if self._global_batch_sizes else None
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size / num_replicas_in_sync``; raises if it does not divide."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dtensor import aot
+from dtensor.tpu import aot
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "examples" / "train.py")

@@ -20,7 +20,7 @@ from dtensor import (
     fetch_layout,
     resolve_layouts,
 )
-from dtensor.core.rules import path_str
+from dtensor.core.tree import path_str
 
 
 @pytest.fixture(scope="module")

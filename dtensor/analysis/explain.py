@@ -41,8 +41,8 @@ from dtensor.analysis.hlo import Collective, parse_collectives
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
 from dtensor.core.layout import Layout
 from dtensor.core.mesh import Mesh
-from dtensor.core.rules import path_str
 from dtensor.core.text import human_bytes
+from dtensor.core.tree import is_array, path_str
 
 __all__ = ["explain", "min_comm_bytes"]
 
@@ -54,10 +54,6 @@ def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
         return None
     s = getattr(leaf, "sharding", None)
     return s if isinstance(s, jax.sharding.Sharding) else None
-
-
-def _is_array(leaf: Any) -> bool:
-    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
 def _layout(sharding: jax.sharding.Sharding, rank: int) -> Layout | None:
@@ -335,7 +331,7 @@ def _variables(
 ) -> tuple[list[tuple[VariableInfo, float]], list[Finding]]:
     """The table rows (each with its minimum communication) and their warnings."""
     leaves = [
-        (i, path_str(p) or "variables", x) for i, (p, x) in enumerate(all_leaves) if _is_array(x)
+        (i, path_str(p) or "variables", x) for i, (p, x) in enumerate(all_leaves) if is_array(x)
     ]
     rule_of = _rule_list(rules, [p for _, p, _ in leaves])
     rows: list[tuple[VariableInfo, float]] = []
@@ -398,7 +394,7 @@ def _check_outputs(
         for i, ((path, leaf), s) in enumerate(zip(all_leaves, jax.tree.leaves(sub), strict=True)):
             asked = _sharding_of(leaf) or compiled_of.get(i)
             rank = len(getattr(leaf, "shape", ()))
-            if asked is not None and _is_array(leaf) and _mismatch(asked, s, rank):
+            if asked is not None and is_array(leaf) and _mismatch(asked, s, rank):
                 findings.append(
                     _silent(_fmt_path(prefix, path), asked, s, rank, "the step returns it as")
                 )

@@ -49,7 +49,8 @@ import numpy as np
 from dtensor.core.arrays import fetch_layout
 from dtensor.core.layout import Layout
 from dtensor.core.mesh import Mesh, create_mesh, current_mesh
-from dtensor.core.rules import LayoutMap, path_str, resolve_layouts
+from dtensor.core.rules import LayoutMap, resolve_layouts
+from dtensor.core.tree import is_box, is_node, path_str
 
 __all__ = ["Checkpointer", "CheckpointError", "save", "restore", "read_manifest"]
 
@@ -69,24 +70,10 @@ def _ocp() -> Any:
 
 
 # ------------------------------------------------------------ canonical form
-def _is_graph_node(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Module | nnx.Optimizer) or (
-        isinstance(x, nnx.Pytree) and not isinstance(x, nnx.State | nnx.Variable)
-    )
-
-
 def _is_state(x: Any) -> bool:
     from flax import nnx
 
     return isinstance(x, nnx.State)
-
-
-def _is_box(x: Any) -> bool:
-    from flax.core import meta
-
-    return isinstance(x, meta.AxisMetadata)
 
 
 def _is_key(x: Any) -> bool:
@@ -96,20 +83,20 @@ def _is_key(x: Any) -> bool:
 
 def _is_container_leaf(x: Any) -> bool:
     """Nodes that the canonical form replaces by plain containers."""
-    return _is_graph_node(x) or _is_state(x) or _is_box(x)
+    return is_node(x) or _is_state(x) or is_box(x)
 
 
 def _canon(tree: Any) -> Any:
     """``tree`` with NNX objects as pure dicts of their state and Linen boxes unboxed."""
 
     def one(x: Any) -> Any:
-        if _is_graph_node(x):
+        if is_node(x):
             from flax import nnx
 
             return _canon(nnx.state(x).to_pure_dict())
         if _is_state(x):
             return _canon(x.to_pure_dict())
-        if _is_box(x):
+        if is_box(x):
             return _canon(x.unbox())
         return x
 
@@ -120,7 +107,7 @@ def _rebuild(target: Any, restored: Any) -> Any:
     """Put restored canonical values back into the shape of ``target``."""
 
     def one(t: Any, r: Any) -> Any:
-        if _is_graph_node(t):
+        if is_node(t):
             from flax import nnx
 
             state = nnx.state(t)
@@ -133,7 +120,7 @@ def _rebuild(target: Any, restored: Any) -> Any:
             state = jax.tree.map(lambda v: v, t)
             nnx.replace_by_pure_dict(state, _rebuild(t.to_pure_dict(), r))
             return state
-        if _is_box(t):
+        if is_box(t):
             return t.replace_boxed(_rebuild(t.unbox(), r))
         if _is_key(t) and not _is_key(r):
             return jax.random.wrap_key_data(r, impl=_key_impl(t))
@@ -232,7 +219,7 @@ def _layout_function(target: Any) -> tuple[Any, Mesh | None] | None:
     policy = getattr(target, "variable_layout", None)
     if callable(policy):
         return policy, getattr(target, "mesh", None)
-    if callable(target) and not _is_graph_node(target) and not isinstance(target, Layout):
+    if callable(target) and not is_node(target) and not isinstance(target, Layout):
         return target, None
     return None
 

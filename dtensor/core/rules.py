@@ -21,57 +21,27 @@ import numpy as np
 from dtensor.core.arrays import relayout
 from dtensor.core.layout import UNSHARDED, DimSpec, Layout, LayoutError
 from dtensor.core.mesh import Mesh, current_mesh
+from dtensor.core.tree import (
+    is_array,
+    is_box,
+    is_leaf,
+    is_node,
+    is_variable,
+    leaf_value,
+    path_str,
+    replace_value,
+)
 
 __all__ = [
     "LayoutMap",
     "distribute",
     "resolve_layouts",
-    "path_str",
     "flax_annotation",
     "ResolvedLayout",
 ]
 
 
-def path_str(path: Sequence[Any]) -> str:
-    """A key path as ``a/b/0/c``.
-
-    Examples:
-        >>> import jax
-        >>> from dtensor.core.rules import path_str
-        >>> [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path({"w": [1, 2]})]
-        ['w/0', 'w/1']
-    """
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    if parts and parts[-1] == "value" and len(path) and hasattr(path[-1], "name"):
-        parts.pop()
-    return "/".join(parts)
-
-
 # ----------------------------------------------------------------- Flax metadata
-def _is_nnx_variable(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Variable)
-
-
-def _is_linen_box(x: Any) -> bool:
-    from flax.core import meta
-
-    return isinstance(x, meta.AxisMetadata)
-
-
-def is_leaf(x: Any) -> bool:
-    """Leaves for layout purposes: arrays, NNX Variables, Linen partitioning boxes."""
-    return _is_nnx_variable(x) or _is_linen_box(x)
-
-
 def flax_annotation(leaf: Any) -> tuple[Any, ...] | None:
     """The sharding names Flax metadata attaches to a leaf, if any.
 
@@ -79,31 +49,17 @@ def flax_annotation(leaf: Any) -> tuple[Any, ...] | None:
     ``sharding_names`` / ``sharding``) and Linen's ``nn.Partitioned`` /
     ``nn.LogicallyPartitioned`` boxes (their ``names``).
     """
-    if _is_nnx_variable(leaf):
+    if is_variable(leaf):
         meta = leaf.get_metadata()
         for key in ("out_sharding", "sharding_names", "sharding"):
             names = meta.get(key)
             if names is not None:
                 return tuple(names)
         return None
-    if _is_linen_box(leaf):
+    if is_box(leaf):
         names = getattr(leaf, "names", None)
         return tuple(names) if names is not None else None
     return None
-
-
-def _value(leaf: Any) -> Any:
-    if _is_nnx_variable(leaf):
-        return leaf.get_value()
-    if _is_linen_box(leaf):
-        return leaf.unbox()
-    return leaf
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) or (
-        hasattr(x, "shape") and hasattr(x, "dtype")
-    )
 
 
 # --------------------------------------------------------------------- LayoutMap
@@ -239,7 +195,7 @@ class LayoutMap:
 
     def layout_for(self, path: str, leaf: Any) -> ResolvedLayout:
         """The layout for one leaf: its Flax annotation, else the first rule, else replicated."""
-        value = _value(leaf)
+        value = leaf_value(leaf)
         shape = tuple(np.shape(value))
         ann = flax_annotation(leaf) if self.honor_annotations else None
         if ann is not None:
@@ -312,8 +268,8 @@ def _resolve_flat(
     out_rules: list[str | None] = []
     for (path, leaf), given in zip(leaves, lay_leaves, strict=True):
         p = path_str(path)
-        value = _value(leaf)
-        if not _is_array(value):
+        value = leaf_value(leaf)
+        if not is_array(value):
             out_layouts.append(None)
             out_rules.append(None)
             continue
@@ -352,14 +308,6 @@ def _resolve_flat(
     return leaves, treedef, out_layouts, out_rules
 
 
-def _replace_value(leaf: Any, value: Any) -> Any:
-    if _is_nnx_variable(leaf):
-        return leaf.replace(value)
-    if _is_linen_box(leaf):
-        return leaf.replace_boxed(value)
-    return value
-
-
 def distribute(tree: Any, layouts: LayoutSource = None, *, mesh: Mesh | None = None) -> Any:
     """Place every array of a pytree in its layout.
 
@@ -378,7 +326,7 @@ def distribute(tree: Any, layouts: LayoutSource = None, *, mesh: Mesh | None = N
         >>> dtensor.fetch_layout(out["dense"]["bias"]).is_fully_replicated()
         True
     """
-    if _is_graph_node(tree):
+    if is_node(tree):
         from flax import nnx
 
         state = nnx.state(tree)
@@ -390,13 +338,5 @@ def distribute(tree: Any, layouts: LayoutSource = None, *, mesh: Mesh | None = N
         if layout is None:
             out.append(leaf)
             continue
-        out.append(_replace_value(leaf, relayout(_value(leaf), layout, name=path_str(path))))
+        out.append(replace_value(leaf, relayout(leaf_value(leaf), layout, name=path_str(path))))
     return treedef.unflatten(out)
-
-
-def _is_graph_node(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Module | nnx.Optimizer) or (
-        hasattr(nnx, "Pytree") and isinstance(x, nnx.Pytree) and not isinstance(x, nnx.State)
-    )

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dtensor.core.layout import Layout
-from dtensor.core.rules import is_leaf, path_str
+from dtensor.core.tree import is_leaf, path_str
 
 __all__ = ["human_bytes", "layouts_table", "render"]
 

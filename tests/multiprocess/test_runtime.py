@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import dtensor
-from dtensor import cluster, runtime
+from dtensor.runtime import cluster
+from dtensor.runtime import process as runtime
 from dtensor.runtime.process import (
     ClusterConfigError,
     ClusterSpec,

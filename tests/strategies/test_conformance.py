@@ -94,7 +94,7 @@ def test_nnx_step_matches_single_device(preset, model_name):
         nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)
     ):
         value = var.get_value()
-        want = strategy.storage_layout_fn(dtensor.core.rules.path_str(path), var).layout
+        want = strategy.storage_layout_fn(dtensor.core.tree.path_str(path), var).layout
         assert value.sharding.is_equivalent_to(want.sharding, value.ndim), (preset, path)
 
 

@@ -145,7 +145,7 @@ def test_communication_options_map_to_ops():
         communication_options=opts(bytes_per_pack=1024, timeout_seconds=30)
     )
     assert mw.gradient_reduction == strategies.AllReduceCrossDeviceOps(bytes_per_pack=1024)
-    assert mw._watchdog is not None and mw._watchdog.timeout == 30
+    assert mw.communication_options.timeout_seconds == 30
 
 
 def test_errors():

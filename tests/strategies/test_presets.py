@@ -12,7 +12,7 @@ from flax import nnx
 import dtensor
 import strategies
 from dtensor import UNSHARDED as U
-from dtensor.core.rules import path_str
+from dtensor.core.tree import path_str
 from tests.models import Block, MLPModel
 
 DEVICES = jax.devices

@@ -17,7 +17,10 @@ def _state_and_rules(s, model_cls):
         model = model_cls(rngs=nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     _, state = nnx.split((model, opt))
-    _, rules = dtensor.resolve_layouts(state, s._node_relative, mesh=s.mesh)
+    def node_relative(path, leaf):  # paths without the (model, opt) tuple index
+        return s.storage_layout_fn(path.split("/", 1)[1], leaf)
+
+    _, rules = dtensor.resolve_layouts(state, node_relative, mesh=s.mesh)
     return model, opt, state, rules
 
 

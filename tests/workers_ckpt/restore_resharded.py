@@ -45,7 +45,7 @@ def main() -> None:
     restored = dtensor.checkpoint.restore(ckpt_dir, FsdpLike(mesh))
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
-        name = dtensor.core.rules.path_str(path)
+        name = dtensor.core.tree.path_str(path)
         out[name] = np.asarray(leaf)
         out[name + ":devices"] = np.asarray(len(leaf.sharding.device_set))
         out[name + ":shard"] = np.asarray(leaf.addressable_shards[0].data.shape)

@@ -12,9 +12,9 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout, LayoutMap
-
-from .base import Strategy, _value
-from .fsdp import nbytes, shard_largest_dim
+from dtensor.core.tree import leaf_value
+from strategies.base import Strategy
+from strategies.sharding import nbytes, shard_largest_dim
 
 __all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
 
@@ -40,7 +40,7 @@ def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | N
     and the rule's name, or ``None`` when no rule applies.
 
     Examples:
-        >>> from strategies.tensor_parallel import megatron_specs
+        >>> from strategies.presets.tensor_parallel import megatron_specs
         >>> megatron_specs("blocks/0/mlp/up/kernel", (64, 256))
         (['unsharded', 'tensor'], 'column')
         >>> megatron_specs("blocks/0/attn/out/kernel", (4, 16, 64))
@@ -141,7 +141,7 @@ class HybridStrategy(Strategy):
         self.min_shard_bytes = min_shard_bytes
 
     def _tensor_specs(self, path: str, leaf: Any) -> tuple[list[Any], str | None]:
-        shape = np.shape(_value(leaf))
+        shape = np.shape(leaf_value(leaf))
         if self.rules is not None:
             found = self.rules.match(path)
             if found is not None:
@@ -163,7 +163,7 @@ class HybridStrategy(Strategy):
         specs = [None if s == dtensor.UNSHARDED else s for s in specs]
         fsdp = self.mesh.shape["fsdp"]
         if fsdp > 1 and nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
-            specs = shard_largest_dim(specs, np.shape(_value(leaf)), "fsdp", fsdp)
+            specs = shard_largest_dim(specs, np.shape(leaf_value(leaf)), "fsdp", fsdp)
         return Layout(specs, self.mesh)
 
     def activation_bytes_min(self, state: Any, rules: Any, batch: list[Any]) -> float:
@@ -191,10 +191,10 @@ class HybridStrategy(Strategy):
         )
         rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
         for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
-            p = dtensor.core.rules.path_str(path)
+            p = dtensor.core.tree.path_str(path)
             if not rule or "opt_state" in p.split("/"):
                 continue
-            value = _value(leaf)
+            value = leaf_value(leaf)
             item = np.dtype(value.dtype).itemsize
             features = np.shape(value)[-1]
             if rule.startswith("megatron row") and p.endswith("kernel"):

@@ -10,9 +10,9 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout
-
-from .base import Strategy, _value
-from .partitioners import Partitioner
+from dtensor.core.tree import leaf_value
+from strategies.base import Strategy
+from strategies.partitioners import Partitioner
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -69,7 +69,7 @@ class ParameterServerStrategy(Strategy):
         super().__init__(mesh, batch_axes=("ps", "worker"))
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
-        value = _value(leaf)
+        value = leaf_value(leaf)
         shape = np.shape(value)
         specs: list[Any] = [None] * len(shape)
         if self.variable_partitioner is not None and shape and self.num_ps > 1:

@@ -8,9 +8,8 @@ from typing import Any
 import jax
 
 import dtensor
-
-from . import cross_device_ops as cdo
-from .base import Strategy
+from strategies import cross_device_ops as cdo
+from strategies.base import Strategy
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -85,8 +84,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             else None
         )
 
-    def _bound_in_flight(self, result: Any) -> None:
-        super()._bound_in_flight(result)
+    def after_step(self, result: Any) -> None:
+        """Watch the step's result: a step that does not finish in time stops the process."""
         leaves = jax.tree.leaves(result)
         if self._watchdog is not None and leaves:
             self._watchdog.watch(leaves[0])

@@ -8,8 +8,7 @@ from typing import Any
 import jax
 
 import dtensor
-
-from .base import Strategy
+from strategies.base import Strategy
 
 
 class TPUStrategy(Strategy):

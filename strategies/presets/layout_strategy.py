@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtensor import Layout, LayoutMap, Mesh
-
-from .base import Strategy
+from strategies.base import Strategy
 
 __all__ = ["LayoutStrategy"]
 

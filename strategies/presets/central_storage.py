@@ -10,8 +10,8 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout
-
-from .base import Strategy, _replace, _value, _var_or_layout
+from dtensor.core.tree import leaf_value
+from strategies.base import Strategy
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -54,40 +54,16 @@ class CentralStorageStrategy(Strategy):
             dtensor.create_mesh([("replica", len(compute))], devices=compute),
             batch_axes=("replica",),
         )
-        self._last_layouts: Any = None
 
     def storage_layout(self, path: str, leaf: Any) -> Layout:
-        return Layout.replicated(self._storage_mesh, np.ndim(_value(leaf)))
+        return Layout.replicated(self._storage_mesh, np.ndim(leaf_value(leaf)))
 
-    def _compute_layout(self, storage: Layout) -> Layout:
+    def compute_layout(self, storage: Layout) -> Layout:
         return Layout.replicated(self.mesh, storage.rank)
 
-    def _adopt(self, x: jax.Array, mesh: dtensor.Mesh) -> jax.Array | None:
+    def adopt(self, x: jax.Array, mesh: dtensor.Mesh) -> jax.Array | None:
         # Functional (Linen/optax) variables placed by distribute_variables live
         # on the parameter device; each step copies them to the compute devices.
         if mesh == self._storage_mesh:
             return dtensor.relayout(x, Layout.replicated(self.mesh, x.ndim))
         return None
-
-    def _to_compute(self, state: Any, layouts: Any) -> Any:
-        self._last_layouts = layouts
-        return jax.tree.map(
-            lambda var, lay: (
-                var
-                if lay is None
-                else _replace(var, dtensor.relayout(_value(var), self._compute_layout(lay)))
-            ),
-            state,
-            layouts,
-            is_leaf=_var_or_layout,
-        )
-
-    def _to_storage(self, state: Any) -> Any:
-        return jax.tree.map(
-            lambda var, lay: (
-                var if lay is None else _replace(var, dtensor.relayout(_value(var), lay))
-            ),
-            state,
-            self._last_layouts,
-            is_leaf=_var_or_layout,
-        )

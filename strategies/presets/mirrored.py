@@ -8,9 +8,8 @@ from typing import Any
 import jax
 
 import dtensor
-
-from . import cross_device_ops as cdo
-from .base import Strategy
+from strategies import cross_device_ops as cdo
+from strategies.base import Strategy
 
 
 class MirroredStrategy(Strategy):

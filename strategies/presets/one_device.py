@@ -7,8 +7,7 @@ from typing import Any
 import jax
 
 import dtensor
-
-from .base import Strategy
+from strategies.base import Strategy
 
 
 class OneDeviceStrategy(Strategy):

@@ -1,0 +1,116 @@
+"""Laying out NNX models as they are built inside ``strategy.scope()``: the one patch of Flax.
+
+Flax has no public hook that runs when a Variable or a Module is created
+(``nnx.use_eager_sharding`` places only annotated Variables; see
+JAX-NOTES), so this module owns the single place where the library wraps a
+Flax internal: the NNX Pytree metaclass's ``__call__``, while at least one
+thread is inside a scope. When the *outermost* Module or Optimizer
+construction returns, its variables are placed by the strategy's policies
+(with their paths, so path rules apply). Objects built under a JAX trace
+(``nnx.eval_shape``, ``jax.jit``) are left alone.
+
+The patch is thread-safe and re-entrant (a count under a lock; each thread
+sees only its own strategy, other threads call straight through), it
+restores exactly what it found, and :func:`check_flax_supported` (run by the
+test suite) fails loudly if a Flax upgrade moves what it relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.core
+from flax import nnx
+from flax.nnx import pytreelib
+
+if TYPE_CHECKING:
+    from strategies.base import Strategy
+
+_local = threading.local()
+_lock = threading.Lock()
+_found: Any = None  # what PytreeMeta.__call__ was when the patch went in
+_installed = 0
+
+
+def check_flax_supported() -> None:
+    """Raise if this Flax no longer has what the patch relies on.
+
+    ``flax.nnx.pytreelib.PytreeMeta`` must exist, be the metaclass of
+    ``nnx.Module`` and ``nnx.Optimizer``, and define ``__call__``.
+    """
+    meta = getattr(pytreelib, "PytreeMeta", None)
+    if meta is None or "__call__" not in vars(meta):
+        raise RuntimeError(
+            "strategies.creation: flax.nnx.pytreelib.PytreeMeta.__call__ is gone in this Flax "
+            "version, so models built in strategy.scope() cannot be laid out as they are built. "
+            "Pin the Flax version the project is tested with, or build models with "
+            "strategy.create(factory)."
+        )
+    for cls in (nnx.Module, nnx.Optimizer):
+        if not isinstance(cls, meta):
+            raise RuntimeError(
+                f"strategies.creation: {cls.__name__} is no longer built through PytreeMeta in "
+                "this Flax version. Pin the tested Flax version or use strategy.create(factory)."
+            )
+
+
+def _wrapped_call(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    original = _found
+    strategy = getattr(_local, "strategy", None)
+    if strategy is None:
+        return original(cls, *args, **kwargs)
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        obj = original(cls, *args, **kwargs)
+    finally:
+        _local.depth -= 1
+    if (
+        _local.depth == 0
+        and isinstance(obj, nnx.Module | nnx.Optimizer)
+        and not isinstance(obj, nnx.Rngs)
+    ):
+        leaves = jax.tree.leaves(nnx.state(obj))
+        if leaves and not any(isinstance(v, jax.core.Tracer) for v in leaves):
+            strategy.distribute_variables(obj)
+            _as_built_outside(obj, _local.eager_default)
+    return obj
+
+
+def _as_built_outside(obj: Any, eager_sharding: bool) -> None:
+    """Give ``obj``'s Variables the metadata they get outside a scope.
+
+    The scope builds with its own ``nnx.use_eager_sharding`` setting, which
+    Flax records on every Variable; a model built in scope must be the same
+    pytree (same metadata) as one built outside, only laid out differently.
+    """
+    for _, node in nnx.iter_graph(obj):
+        if isinstance(node, nnx.Variable) and node.get_metadata().get("eager_sharding") is not None:
+            node.set_metadata("eager_sharding", eager_sharding)
+
+
+@contextlib.contextmanager
+def placing(strategy: Strategy) -> Iterator[None]:
+    """While active (in this thread), outermost NNX constructions are laid out by ``strategy``."""
+    global _installed, _found
+    with _lock:
+        if _installed == 0:
+            check_flax_supported()
+            _found = vars(pytreelib.PytreeMeta)["__call__"]
+            pytreelib.PytreeMeta.__call__ = _wrapped_call  # type: ignore[method-assign]
+        _installed += 1
+    prev = getattr(_local, "strategy", None), getattr(_local, "eager_default", None)
+    _local.eager_default = nnx.using_eager_sharding()
+    _local.strategy = strategy
+    try:
+        with nnx.use_eager_sharding(strategy.honor_annotations):
+            yield
+    finally:
+        _local.strategy, _local.eager_default = prev
+        with _lock:
+            _installed -= 1
+            if _installed == 0:
+                pytreelib.PytreeMeta.__call__ = _found  # type: ignore[method-assign]

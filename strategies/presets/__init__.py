@@ -1,0 +1,1 @@
+"""The presets: each a mesh and its layout policies, independent of one another."""

@@ -1,0 +1,52 @@
+"""Sharding rules that several presets share: split the largest dimension, count bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dtensor.core.tree import leaf_value
+
+__all__ = ["nbytes", "shard_largest_dim"]
+
+
+def shard_largest_dim(specs: list[Any], shape: Sequence[int], axis: str, size: int) -> list[Any]:
+    """Put ``axis`` (of ``size``) on the largest still-unsharded dimension it divides.
+
+    Ties go to the earlier dimension; ``specs`` is returned unchanged when no
+    dimension divides.
+
+    Examples:
+        >>> from strategies.sharding import shard_largest_dim
+        >>> shard_largest_dim([None, None], (6, 16), "fsdp", 8)
+        [None, 'fsdp']
+        >>> shard_largest_dim([None], (6,), "fsdp", 8)
+        [None]
+    """
+    candidates = [
+        d
+        for d in range(len(shape))
+        if specs[d] is None and shape[d] % size == 0 and shape[d] >= size
+    ]
+    if not candidates or size <= 1:
+        return specs
+    best = max(candidates, key=lambda d: (shape[d], -d))
+    out = list(specs)
+    out[best] = axis
+    return out
+
+
+def nbytes(leaf: Any) -> int:
+    """The bytes of an array (or abstract array) leaf.
+
+    Examples:
+        >>> import numpy as np
+        >>> from strategies.sharding import nbytes
+        >>> nbytes(np.zeros((4, 8), np.float32))
+        128
+    """
+    value = leaf_value(leaf)
+    return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize

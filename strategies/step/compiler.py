@@ -1,0 +1,387 @@
+"""`StepCompiler`: single-device step code into one ``jax.jit`` laid out by a strategy.
+
+A strategy owns one compiler. For each ``run`` it sorts the arguments
+(:mod:`strategies.step.args`), places NNX state by the variable policy and
+arrays by the batch policy, compiles once per input signature (bounded and
+weak on functions and models, :mod:`strategies.step.cache`), runs, writes the
+new state back into the models, and bounds how many steps are in flight.
+
+What it asks of the strategy are its public policies and preset hooks:
+``mesh``, ``batch_axes``, ``batch_layout``, ``storage_layout_fn``,
+``compute_layout``, ``adopt``, ``trace_step``, ``after_step``, ``gradient_reduction``,
+``max_steps_in_flight``, ``activation_bytes_min`` and ``shards_variables``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dtensor
+from dtensor import Layout, LayoutError
+from dtensor.core.arrays import mesh_of
+from dtensor.core.tree import is_node, is_variable, leaf_value, replace_value
+from strategies import context
+from strategies.step import args as argkinds
+from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
+from strategies.values import PerReplica, ReplicaContext
+
+if TYPE_CHECKING:
+    from strategies.base import Strategy
+
+__all__ = ["StepCompiler"]
+
+Compiled = Callable[[Any, list[Any]], Any]
+
+
+def _var_or_layout(x: Any) -> bool:
+    return is_variable(x) or isinstance(x, Layout)
+
+
+class StepCompiler:
+    """Compiles and runs steps for one strategy; see the module docstring."""
+
+    def __init__(self, strategy: Strategy, *, max_compiled: int = 64) -> None:
+        self.strategy = strategy
+        self.compiled = LRUCache(max_compiled)
+        self.layouts = LRUCache(max_compiled)
+        self.graphs = GraphCaches()
+        self.monitor = RecompileMonitor()
+        self._in_flight: collections.deque[Any] = collections.deque()
+
+    # ------------------------------------------------------------------- run
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        *,
+        per_replica: bool,
+        cache_graph: bool,
+    ) -> Any:
+        s = self.strategy
+        fn = argkinds.check_callable(fn, "run")
+        with_paths, treedef = argkinds.flatten_args(args, kwargs)
+        flat = [v for _, v in with_paths]
+        nodes = [v for v in flat if is_node(v)]
+        cached = self.graphs.get(nodes) if nodes and cache_graph else None
+        graphdef, state, layouts = self._node_state(nodes, cached)
+        kinds: list[Any] = []
+        arrays: list[Any] = []
+        for path, v in with_paths:
+            kind = argkinds.kind_of(v)
+            if kind is argkinds.ARRAY:
+                arrays.append(self._place_input(v, argkinds.arg_name(path)))
+            kinds.append(kind)
+        sig = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
+        graph_key = cached.key if cached is not None else graphdef
+        fn_key = FunctionKey(fn)
+        key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            fn_key = FunctionKey(fn, self._forget)  # the stored key watches the function
+            key = (fn_key, *key[1:])
+            compiled = self._compile(fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica)
+            self.compiled.put(key, compiled)
+            self.monitor.compiled(fn)
+        if nodes:
+            state = self._relayout(state, layouts, compute=True)
+        with s.mesh:  # traced under the strategy's mesh, in scope() or not
+            new_state, out = compiled(state, arrays)
+        if nodes:
+            stored = self._relayout(new_state, layouts, compute=False)
+            if cached is None:
+                nnx.update(tuple(nodes), stored)
+            else:
+                cached.write_back(stored)
+        if per_replica:
+            out = jax.tree.map(PerReplica, out)
+        result = out if jax.tree.leaves(out) else new_state
+        self._bound_in_flight(result)
+        s.after_step(result)
+        return out
+
+    def _forget(self, dead_ref: Any) -> None:
+        """A step function died: drop its compiled steps."""
+        self.compiled.discard_where(
+            lambda k: any(r is dead_ref for r in getattr(k[0], "_refs", ()))
+        )
+
+    def _node_state(self, nodes: list[Any], cached: GraphCache | None) -> tuple[Any, Any, Any]:
+        if not nodes:
+            return None, None, None
+        if cached is not None:
+            graphdef, state = cached.graphdef, cached.read()
+            if cached.layouts is None:
+                cached.layouts = self.state_layouts(graphdef, state)
+            if not cached.unchanged():  # placed by us last step: nothing to check
+                state = self._place_state(state, cached.layouts)
+            return graphdef, state, cached.layouts
+        graphdef, state = nnx.split(tuple(nodes))
+        layouts = self.state_layouts(graphdef, state)
+        return graphdef, self._place_state(state, layouts), layouts
+
+    def _bound_in_flight(self, result: Any) -> None:
+        limit = self.strategy.max_steps_in_flight
+        if limit is None:
+            return
+        leaves = jax.tree.leaves(result)
+        if not leaves:
+            return
+        self._in_flight.append(leaves[0])
+        while len(self._in_flight) > limit:
+            oldest = self._in_flight.popleft()
+            if not oldest.is_deleted():  # a donated state buffer: a later step waits on it
+                oldest.block_until_ready()
+
+    # -------------------------------------------------------------- layouts
+    def state_layouts(self, graphdef: Any, state: Any) -> Any:
+        """The storage layout of every Variable of the nodes' state (cached per graph)."""
+        layouts = self.layouts.get(graphdef)
+        if layouts is None:
+            layouts, _ = self.resolve(state)
+            self.layouts.put(graphdef, layouts)
+        return layouts
+
+    def resolve(self, state: Any) -> tuple[Any, Any]:
+        """Layouts and rule names of the nodes' state, with paths relative to each node.
+
+        The tuple index of the nodes is dropped, so rules see the same paths
+        as in ``scope()`` and ``distribute_variables()``.
+        """
+        fn = self.strategy.storage_layout_fn
+        return dtensor.resolve_layouts(
+            state,
+            lambda path, leaf: fn(path.split("/", 1)[1] if "/" in path else path, leaf),
+            mesh=self.strategy.mesh,
+        )
+
+    def _place_state(self, state: Any, layouts: Any) -> Any:
+        def place(var: Any, layout: Layout | None) -> Any:
+            if layout is None:
+                return var
+            value = leaf_value(var)
+            if isinstance(value, jax.Array):
+                have, want = value.sharding, layout.sharding
+                # A jit's outputs say P() where the layout says P(None, None): same placement.
+                if have == want or have.is_equivalent_to(want, value.ndim):
+                    return var
+            return replace_value(var, dtensor.relayout(value, layout))
+
+        return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
+
+    def _relayout(self, state: Any, layouts: Any, *, compute: bool) -> Any:
+        """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ)."""
+        s = self.strategy
+
+        def move(var: Any, lay: Layout | None) -> Any:
+            if lay is None:
+                return var
+            target = s.compute_layout(lay)
+            if target == lay:
+                return var
+            return replace_value(var, dtensor.relayout(leaf_value(var), target if compute else lay))
+
+        return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
+
+    def _constrain(self, state: Any, layouts: Any) -> Any:
+        s = self.strategy
+
+        def constrain(var: Any, layout: Layout | None) -> Any:
+            if layout is None:
+                return var
+            return replace_value(var, dtensor.relayout(leaf_value(var), s.compute_layout(layout)))
+
+        return jax.tree.map(constrain, state, layouts, is_leaf=_var_or_layout)
+
+    def _place_input(self, v: Any, name: str) -> Any:
+        s = self.strategy
+        if isinstance(v, jax.Array):
+            mesh = mesh_of(v)
+            if mesh is not None and mesh != s.mesh:
+                adopted = s.adopt(v, mesh)
+                if adopted is not None:
+                    return adopted
+                raise LayoutError(
+                    f"argument {name} of run() is laid out on {mesh!r}, but {s!r} runs on "
+                    f"{s.mesh!r}. Move it with dtensor.relayout(x, strategy.batch_layout(x.ndim)) "
+                    "or pass host (numpy) data and let the strategy place it."
+                )
+            if mesh is not None:
+                return v
+        layout = s.batch_layout(np.ndim(v))
+        if np.ndim(v) and np.shape(v)[0] % max(layout.num_shards(0), 1):
+            n = s.num_replicas_in_sync
+            raise LayoutError(
+                f"the global batch (argument {name}, shape {np.shape(v)}) has {np.shape(v)[0]} "
+                f"rows, which does not divide over the {n} replicas of {s!r}. Use a global batch "
+                f"that is a multiple of {n}, or distribute the dataset with pad=True."
+            )
+        return dtensor.copy_to_mesh(np.asarray(v) if not isinstance(v, jax.Array) else v, layout)
+
+    # --------------------------------------------------------------- compile
+    def _compile(
+        self,
+        fn_key: FunctionKey,
+        treedef: Any,
+        graphdef: Any,
+        kinds: list[Any],
+        layouts: Any,
+        arrays: list[Any],
+        per_replica: bool,
+    ) -> Compiled:
+        s = self.strategy
+        reduction = None if per_replica else s.gradient_reduction
+
+        def call(state: Any, arrays: list[Any]) -> Any:
+            fn = fn_key.get()  # at trace time: the compiled step holds no strong reference
+            if reduction is not None:  # explicit cross-device ops (strategies.cross_device_ops)
+                fn = reduction.wrap_step(fn)
+            nodes = iter(nnx.merge(graphdef, state) if graphdef is not None else ())
+            values = iter(arrays)
+            flat = [
+                next(nodes)
+                if k is argkinds.NODE
+                else next(values)
+                if k is argkinds.ARRAY
+                else k.value
+                for k in kinds
+            ]
+            args, kwargs = jax.tree.unflatten(treedef, flat)
+            out = fn(*args, **kwargs)
+            new_state = (
+                nnx.state(tuple(v for v, k in zip(flat, kinds, strict=True) if k is argkinds.NODE))
+                if graphdef is not None
+                else None
+            )
+            return new_state, out
+
+        if reduction is not None:
+            return reduction.compile_step(s, call, arrays, has_state=graphdef is not None)
+        if per_replica:
+            return self._per_replica(call, layouts, arrays, graphdef is not None)
+        shardings = [getattr(a, "sharding", None) for a in arrays]
+        compiler = self
+
+        def pure(state: Any, arrays: list[Any]) -> Any:
+            new_state, out = s.trace_step(call, state, arrays, layouts, shardings)
+            if new_state is not None:
+                check_same_structure(state, new_state)
+                new_state = compiler._constrain(new_state, layouts)
+            return new_state, out
+
+        return jax.jit(pure, donate_argnums=(0,) if graphdef is not None else ())
+
+    def _per_replica(self, call: Any, layouts: Any, leaves: list[Any], has_state: bool) -> Any:
+        s = self.strategy
+        axes: tuple[str, ...] = tuple(s.batch_axes)
+        if layouts is not None:
+            for layout in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout)):
+                if any(a in axes for d in range(layout.rank) for a in layout.axes(d)):
+                    raise LayoutError(
+                        f"per-replica run needs variables whole on every replica, but {s!r} "
+                        f"splits one over the replica axes ({layout!r}). Use run() without "
+                        "per_replica=True (global mode) for sharded-variable presets."
+                    )
+        spec_axes = axes[0] if len(axes) == 1 else axes
+        batch_spec = jax.sharding.PartitionSpec(spec_axes) if axes else jax.sharding.PartitionSpec()
+        leaf_specs = [
+            batch_spec if np.ndim(v) > 0 else jax.sharding.PartitionSpec() for v in leaves
+        ]
+        n = s.num_replicas_in_sync
+        compiler = self
+
+        def body(state: Any, leaves: list[Any]) -> Any:
+            with context.replica_context(ReplicaContext(s, axes, n)):
+                new_state, out = call(state, leaves)
+            return new_state, jax.tree.map(lambda o: jnp.expand_dims(o, 0), out)
+
+        def pure(state: Any, leaves: list[Any]) -> Any:
+            state_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
+            out_specs = (state_specs, batch_spec)  # a prefix: every output is per-replica
+            new_state, out = jax.shard_map(
+                body,
+                mesh=s.mesh.jax_mesh,
+                in_specs=(state_specs, leaf_specs),
+                out_specs=out_specs,
+                check_vma=False,
+            )(state, leaves)
+            if has_state:  # back to the variables' own layouts (e.g. split on `tensor`)
+                new_state = compiler._constrain(new_state, layouts)
+            return new_state, out
+
+        return jax.jit(pure, donate_argnums=(0,) if has_state else ())
+
+    # --------------------------------------------------------------- explain
+    def explain(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The :func:`dtensor.explain` report of what :meth:`run` compiles for these arguments."""
+        from dtensor.analysis.explain import explain
+
+        s = self.strategy
+        fn = argkinds.check_callable(fn, "explain")
+        with_paths, treedef = argkinds.flatten_args(args, kwargs)
+        flat = [v for _, v in with_paths]
+        nodes = [v for v in flat if is_node(v)]
+        graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
+        layouts = rules = None
+        if nodes:
+            layouts, rules = self.resolve(state)
+            state = jax.tree.map(
+                lambda var, lay: (
+                    var
+                    if lay is None
+                    else replace_value(var, _abstract(leaf_value(var), s.compute_layout(lay)))
+                ),
+                state,
+                layouts,
+                is_leaf=_var_or_layout,
+            )
+        kinds: list[Any] = []
+        arrays: list[Any] = []
+        for v in flat:
+            kind = argkinds.kind_of(v)
+            if kind is argkinds.ARRAY:
+                sharding = getattr(v, "sharding", None)
+                on_mesh = isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+                    v, jax.ShapeDtypeStruct | jax.Array
+                )
+                arrays.append(v if on_mesh else _abstract(v, s.batch_layout(len(np.shape(v)))))
+            kinds.append(kind)
+        compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
+        with s.mesh:
+            return explain(
+                compiled,
+                state,
+                arrays,
+                variables=state,
+                rules=rules,
+                data_axes=s.batch_axes,
+                expect_sharded=s.shards_variables,
+                activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
+            )
+
+
+def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(
+        np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding
+    )
+
+
+def check_same_structure(before: Any, after: Any) -> None:
+    """Raise if a step added or removed Variables of its models."""
+    paths_before = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(before)}
+    paths_after = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(after)}
+    if paths_before != paths_after:
+        added = sorted(paths_after - paths_before)[:3]
+        removed = sorted(paths_before - paths_after)[:3]
+        raise ValueError(
+            f"the step changed its models' structure (added {added}, removed {removed}); a step "
+            "run by a strategy updates existing variables only. Create new variables before "
+            "calling run (or in scope())."
+        )
