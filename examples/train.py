@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import shutil
 import signal
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run")
     p.add_argument("--sample-chars", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary line (no tables, no progress bar)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the run's results on stdout, nothing else")
     return p.parse_args(argv)
 
 
@@ -285,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     import strategies
     from strategies.failure_handling import PreemptionCheckpointHandler, TerminationConfig
 
-    console = Console(quiet=jax.process_index() != 0)
+    # Tables and progress go to stderr with --json (stdout holds the JSON only) and nowhere with --quiet.
+    console = Console(
+        quiet=jax.process_index() != 0 or args.quiet or args.json,
+        stderr=args.json,
+    )
     if args.list_strategies:
         for name, what in strategies.describe_presets():
             console.print(f"[bold]{name:24}[/] {what}")
@@ -318,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
 
     console.print(device_grid(strategy.mesh))
     layouts, rules = strategy.variable_layouts(model)
-    console.print(dtensor.core.text.layouts_table(model, layouts, rules, title=f"variable layouts under {args.strategy}"))
+    console.print(
+        dtensor.core.text.layouts_table(
+            model, layouts, rules, title=f"variable layouts under {args.strategy}", width=console.width
+        )
+    )
     console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
 
     example = batch_for_step(data, 0, args.batch_size, seq, args.seed)
@@ -393,6 +404,28 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; curve in {png}")
     sample = generate(model, "def ", args.sample_chars, seq, args.seed)
     console.print(Panel(sample, title="a sample from the model"))
+    if jax.process_index() == 0 and (args.quiet or args.json):
+        summary = {
+            "strategy": args.strategy,
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
+            "steps": args.steps,
+            "resumed_from": start,
+            "loss_first": losses[0][1] if losses else None,
+            "loss_last": losses[-1][1] if losses else None,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "comm_bytes_per_device": report.comm_bytes_per_device,
+            "min_comm_bytes_per_device": report.min_comm_bytes_per_device,
+            "state_bytes_per_device": report.state_bytes_per_device,
+            "checkpoints": str(ckpt_dir),
+            "sample": sample,
+        }
+        if args.json:
+            print(json.dumps(summary, sort_keys=True))
+        else:
+            first, last = summary["loss_first"], summary["loss_last"]
+            loss = f"loss {first:.3f} -> {last:.3f}" if losses else "no steps run"
+            print(f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Rich tables for people: the layout of every variable of a model or pytree."""
+"""Text for people: byte sizes, compact layouts, and the one table renderer of the reports."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dtensor.core.layout import Layout
+from dtensor.core.layout import UNSHARDED, Layout
 from dtensor.core.tree import is_leaf, path_str
 
-__all__ = ["human_bytes", "layouts_table", "render"]
+__all__ = ["compact_layout", "elide_middle", "human_bytes", "layouts_table", "render"]
 
 
 def human_bytes(n: float) -> str:
@@ -33,18 +34,67 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "variables") -> Table:
-    """A table of path, shape, dtype, layout, rule and bytes per device for each array leaf.
+_SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 
-    ``layouts`` and ``rules`` are as :func:`dtensor.resolve_layouts` returns them.
+
+def compact_layout(layout: Layout) -> str:
+    """A layout's specs in a few characters: ``[·, model]`` (``·``: not split).
+
+    Examples:
+        >>> import dtensor
+        >>> mesh = dtensor.create_mesh([("data", 4), ("model", 2)])
+        >>> compact_layout(dtensor.Layout([None, "model"], mesh))
+        '[·, model]'
+        >>> compact_layout(dtensor.Layout([("data", "model"), None], mesh))
+        '[data+model, ·]'
+    """
+    parts = [
+        "·" if s == UNSHARDED else s if isinstance(s, str) else "+".join(s)
+        for s in layout.sharding_specs
+    ]
+    text = "[" + ", ".join(parts) + "]"
+    return text + (f" partial({','.join(layout.partial_axes)})" if layout.partial_axes else "")
+
+
+def elide_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters by dropping its middle (``blocks/0/…/kernel``).
+
+    Examples:
+        >>> elide_middle("blocks/0/attention/query/kernel", 20)
+        'blocks/0/…ery/kernel'
+        >>> elide_middle("short", 20)
+        'short'
+    """
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    head = (width - 1) // 2
+    tail = width - 1 - head
+    return text[:head] + "…" + text[len(text) - tail :]
+
+
+def layouts_table(
+    tree: Any,
+    layouts: Any,
+    rules: Any = None,
+    *,
+    title: str = "variables",
+    width: int = 80,
+) -> Table:
+    """One line per array leaf: path, shape, dtype, layout, rule and bytes per device.
+
+    ``layouts`` and ``rules`` are as :func:`dtensor.resolve_layouts` returns
+    them. Layouts are written compactly (``[·, model]``) and paths are
+    elided in the middle so that each row fits in ``width`` columns.
 
     Examples:
         >>> import dtensor, jax.numpy as jnp
         >>> mesh = dtensor.create_mesh([("x", 8)])
         >>> tree = {"w": jnp.zeros((8, 4))}
-        >>> table = dtensor.core.text.layouts_table(tree, *dtensor.resolve_layouts(tree, dtensor.LayoutMap(mesh, [("w", ("x", None))])))
-        >>> "w" in dtensor.core.text.render(table)
-        True
+        >>> table = layouts_table(tree, *dtensor.resolve_layouts(tree, dtensor.LayoutMap(mesh, [("w", ("x", None))])))
+        >>> print(render(table, width=80).splitlines()[4].strip())
+        w      8×4     [x, ·]         16 B
     """
     from flax import nnx
 
@@ -57,9 +107,7 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
         if rules is not None
         else [None] * len(lay)
     )
-    table = Table(title=title)
-    for col in ("path", "shape", "dtype", "layout", "rule", "per device"):
-        table.add_column(col, justify="right" if col == "per device" else "left", overflow="fold")
+    rows = []
     total = 0
     for (path, leaf), layout, rule in zip(leaves, lay, rule_leaves, strict=False):
         if layout is None:
@@ -68,18 +116,52 @@ def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "v
         shape = tuple(np.shape(value))
         per = math.prod(layout.local_shape(shape)) * np.dtype(value.dtype).itemsize
         total += per
-        specs = ", ".join(s if isinstance(s, str) else "+".join(s) for s in layout.sharding_specs)
-        cells = (
-            path_str(path),
-            str(shape),
-            str(np.dtype(value.dtype)),
-            f"[{specs}]",
-            rule or "-",
-            human_bytes(per),
+        dtype = str(np.dtype(value.dtype))
+        rows.append(
+            [
+                path_str(path),
+                "×".join(map(str, shape)) or "scalar",
+                _SHORT_DTYPES.get(dtype, dtype),
+                compact_layout(layout),
+                elide_middle(rule or "-", 20),
+                human_bytes(per),
+            ]
         )
-        table.add_row(*(Text(c) for c in cells))
+    headers = ["path", "shape", "dtype", "layout", "rule", "per device"]
+    notes = []
+    for name in ("rule", "dtype"):  # a column with one value throughout: say it once
+        i = headers.index(name)
+        values = {r[i] for r in rows}
+        if len(values) == 1 and rows:
+            notes.append(f"{name} {values.pop()}")
+            headers.pop(i)
+            for r in rows:
+                r.pop(i)
+
+    def build(path_width: int) -> Table:
+        table = Table(title=title, box=box.SIMPLE_HEAD)
+        for col in headers:
+            table.add_column(col, justify="right" if col == "per device" else "left", no_wrap=True)
+        for row in rows:
+            table.add_row(*(Text(c) for c in [elide_middle(row[0], path_width), *row[1:]]))
+        return table
+
+    def natural_width() -> int:
+        return Console(width=10_000).measure(build(longest)).maximum
+
+    longest = max([len(r[0]) for r in rows] + [4])
+    full = natural_width()
+    if "rule" in headers and longest - (full - width) < min(longest, 28):
+        i = headers.index("rule")  # paths matter more than rule names: drop the column
+        headers.pop(i)
+        for r in rows:
+            r.pop(i)
+        notes.append(f"rules shown at {full}+ columns")
+    excess = natural_width() - width
+    table = build(max(12, longest - excess) if excess > 0 else longest)
     meshes = [lay_.mesh for lay_ in lay if lay_ is not None]
-    table.caption = f"{meshes[0]!r}; {human_bytes(total)} per device" if meshes else None
+    caption = [f"{meshes[0]!r}", f"{human_bytes(total)} per device"] if meshes else []
+    table.caption = "; ".join(caption + notes) or None
     return table
 
 

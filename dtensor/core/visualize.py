@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -100,15 +101,43 @@ def visualize(
     return table
 
 
-def device_grid(mesh: Any) -> Table:
-    """A table of the mesh's devices laid out over its first two axes."""
+def device_grid(mesh: Any, *, max_columns: int = 16) -> Group:
+    r"""The mesh's device ids as a grid: rows along its first axis, columns along the rest.
+
+    A 1-D mesh is one row (wrapped every ``max_columns`` devices); headers are
+    indices, so the grid fits an 80-column terminal.
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.core.text import render
+        >>> text = render(device_grid(dtensor.create_mesh([("data", 2), ("model", 4)])))
+        >>> print("\n".join(line.rstrip() for line in text.strip().splitlines()))
+        Mesh(data=2, model=4) on 8 cpu devices
+        <BLANKLINE>
+          data \ model   0   1   2   3
+         ──────────────────────────────
+          0              0   1   2   3
+          1              4   5   6   7
+    """
     devices = np.asarray(mesh.devices)
     names = mesh.dim_names
-    grid = devices.reshape(devices.shape[0], -1) if devices.ndim > 1 else devices.reshape(1, -1)
-    table = Table(title=f"{mesh!r}", show_lines=True)
-    inner = " x ".join(names[1:]) if len(names) > 1 else names[0]
+    if devices.ndim > 1:
+        grid = devices.reshape(devices.shape[0], -1)
+        corner = f"{names[0]} \\ {' x '.join(names[1:])}"
+        labels = [str(i) for i in range(grid.shape[0])]
+    else:
+        flat = devices.reshape(-1)
+        cols = min(len(flat), max_columns)
+        rows = -(-len(flat) // cols)
+        grid = np.full((rows, cols), None, dtype=object)
+        grid.flat[: len(flat)] = flat
+        corner = names[0]
+        labels = [f"device {r * cols}+" if rows > 1 else "device" for r in range(rows)]
+    platform = devices.reshape(-1)[0].platform
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column(corner, justify="left", no_wrap=True)
     for j in range(grid.shape[1]):
-        table.add_column(f"{inner}={j}", justify="center")
-    for i in range(grid.shape[0]):
-        table.add_row(*(f"{d.platform}:{d.id}" for d in grid[i]))
-    return table
+        table.add_column(str(j), justify="right", no_wrap=True)
+    for label, row in zip(labels, grid, strict=True):
+        table.add_row(label, *("" if d is None else str(d.id) for d in row))
+    return Group(Text(f"{mesh!r} on {devices.size} {platform} devices", style="italic"), table)
