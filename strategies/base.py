@@ -296,7 +296,8 @@ class Strategy:
 
         def one(v: Any) -> Any:
             if isinstance(v, PerReplica):
-                axes = (0,) if axis is None else (0, axis + 1)
+                # Dimension `axis` of each replica's value is `axis + 1` of the stacked one.
+                axes = (0,) if axis is None else (0, axis % (v.value.ndim - 1) + 1)
                 return _jit_reduce(reducer, axes)(v.value)
             if axis is None:
                 return v
@@ -409,16 +410,36 @@ class Strategy:
 
 
 def _check_reduce_axis(value: Any, axis: int | None) -> None:
+    """A four-part ``ValueError`` unless ``axis`` is a dimension of every leaf of ``value``."""
     if axis is None:
         return
-    for leaf in jax.tree.leaves(value, is_leaf=lambda v: isinstance(v, PerReplica)):
-        shape = np.shape(leaf.value)[1:] if isinstance(leaf, PerReplica) else np.shape(leaf)
-        if not -len(shape) <= axis < len(shape):
-            raise ValueError(
-                f"strategy.reduce(..., axis={axis}): each replica's value has rank {len(shape)} "
-                f"(shape {tuple(shape)}), so axis must be None or in [{-len(shape)}, "
-                f"{len(shape) - 1}]. Pass axis=None to reduce across replicas only."
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(
+            f"strategy.reduce(..., axis={axis!r}): axis must be an int or None, got a "
+            f"{type(axis).__name__}. Pass one dimension (axis=0), or None to reduce across "
+            "replicas only."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(value, is_leaf=lambda v: isinstance(v, PerReplica))
+    for path, leaf in leaves:
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
+        if isinstance(leaf, PerReplica):
+            shape = np.shape(leaf.value)[1:]
+            what = f"each replica's value{where} has rank {len(shape)} (shape {tuple(shape)})"
+            fix = "Pass axis=None to reduce across replicas only."
+        else:
+            shape = np.shape(leaf)
+            what = (
+                f"the value{where} is one global array of rank {len(shape)} (shape "
+                f"{tuple(shape)}; its batch dimension already spans all replicas)"
             )
+            fix = "Pass axis=None to get it back unchanged, or a dimension it has."
+        if not -len(shape) <= axis < len(shape):
+            valid = (
+                "axis must be None (a scalar has no dimensions)"
+                if not shape
+                else f"axis must be None or in [{-len(shape)}, {len(shape) - 1}]"
+            )
+            raise ValueError(f"strategy.reduce(..., axis={axis}): {what}, so {valid}. {fix}")
 
 
 @functools.lru_cache(maxsize=64)

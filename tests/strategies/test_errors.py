@@ -232,3 +232,50 @@ def test_layout_strategy_bad_arguments():
         strategies.LayoutStrategy(mesh, dtensor.LayoutMap(other))
     with pytest.raises(ValueError, match=r"batch_dim_name.*'data'"):
         strategies.LayoutStrategy(mesh, batch_dim_name="data")
+
+
+def test_reduce_along_an_axis_the_value_does_not_have():
+    s = strategies.MirroredStrategy()
+    per_replica = s.experimental_distribute_values_from_function(
+        lambda ctx: np.ones((2, 3), np.float32)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"strategy\.reduce\(\.\.\., axis=3\): each replica's value has rank 2 \(shape "
+        r"\(2, 3\)\), so axis must be None or in \[-2, 1\]\. Pass axis=None to reduce across "
+        r"replicas only",
+    ):
+        s.reduce("sum", per_replica, axis=3)
+    with pytest.raises(
+        ValueError,
+        match=r"strategy\.reduce\(\.\.\., axis=3\): the value at \['loss'\] is one global array of "
+        r"rank 2 \(shape \(4, 4\); its batch dimension already spans all replicas\), so axis must "
+        r"be None or in \[-2, 1\]\. Pass axis=None to get it back unchanged",
+    ):
+        s.reduce("mean", {"loss": np.ones((4, 4), np.float32)}, axis=3)
+    with pytest.raises(ValueError, match=r"axis=-1\): the value is one global array of rank 0"):
+        s.reduce("sum", np.float32(1.0), axis=-1)
+    with pytest.raises(TypeError, match=r"axis='batch'\): axis must be an int or None, got a str"):
+        s.reduce("sum", per_replica, axis="batch")
+    # In range: the checks let it through.
+    assert s.reduce("sum", per_replica, axis=-1).shape == (2,)
+
+
+def test_run_with_a_function_name_or_unwrapped_args():
+    s = strategies.MirroredStrategy()
+    with pytest.raises(
+        TypeError,
+        match=r"run\(fn='train_step'\): fn must be a callable step, got a str \(the name of a "
+        r"function, 'train_step'\?\)\. Pass the function itself: run\(train_step, \.\.\.\)",
+    ):
+        s.run("train_step", args=(np.ones((8, 2)),))
+    with pytest.raises(TypeError, match=r"explain\(fn=3\): fn must be a callable step, got a int"):
+        s.explain(3)
+    with pytest.raises(
+        TypeError,
+        match=r"run\(args=<ndarray float32\[8, 2\]>\): args must be a tuple of the step's "
+        r"positional arguments, got a ndarray\. Wrap a single argument in a tuple: args=\(x,\)",
+    ):
+        s.run(lambda x: x.sum(), args=np.ones((8, 2), np.float32))
+    with pytest.raises(TypeError, match=r"run\(kwargs=\[1, 2\]\): kwargs must be a dict"):
+        s.run(lambda x: x, kwargs=[1, 2])
