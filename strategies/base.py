@@ -109,6 +109,14 @@ class Strategy:
             return ResolvedLayout(layout, "flax annotation")
         return ResolvedLayout(self.storage_layout(path, leaf), self.rule_name(path, leaf))
 
+    def layout_findings(self, path: str, leaf: Any) -> list[tuple[str, str]]:
+        """``(kind, message)`` warnings about one variable's layout for :meth:`explain` (none here).
+
+        A hook for presets whose rules can fall back silently (a Megatron rule
+        on a dimension the tensor-parallel size does not divide).
+        """
+        return []
+
     def adopt(self, x: jax.Array, mesh: Mesh) -> jax.Array | None:
         """A ``run`` argument laid out on another mesh that this preset knows how to move (``None``: it does not)."""
         return None

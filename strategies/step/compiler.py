@@ -15,6 +15,7 @@ What it asks of the strategy are its public policies and preset hooks:
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from flax import nnx
 import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
-from dtensor.core.tree import is_node, is_variable, leaf_value, replace_value
+from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
 from strategies import context
 from strategies.step import args as argkinds
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
@@ -355,7 +356,7 @@ class StepCompiler:
             kinds.append(kind)
         compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
         with s.mesh:
-            return explain(
+            report = explain(
                 compiled,
                 state,
                 arrays,
@@ -365,6 +366,21 @@ class StepCompiler:
                 expect_sharded=s.shards_variables,
                 activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
             )
+        extra = self._layout_findings(state)
+        return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
+
+    def _layout_findings(self, state: Any) -> tuple[Any, ...]:
+        """The strategy's own findings about its variables' layouts, with the report's paths."""
+        from dtensor.analysis.report import Finding
+
+        if state is None:
+            return ()
+        out = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable):
+            p = path_str(path)
+            rel = p.split("/", 1)[1] if "/" in p else p  # the path rules see (node index dropped)
+            out += [Finding(kind, p, msg) for kind, msg in self.strategy.layout_findings(rel, leaf)]
+        return tuple(out)
 
 
 def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
@@ -279,3 +280,43 @@ def test_run_with_a_function_name_or_unwrapped_args():
         s.run(lambda x: x.sum(), args=np.ones((8, 2), np.float32))
     with pytest.raises(TypeError, match=r"run\(kwargs=\[1, 2\]\): kwargs must be a dict"):
         s.run(lambda x: x, kwargs=[1, 2])
+
+
+class _Narrow(nnx.Module):
+    """A column-parallel layer (`up`) whose 3 output features do not split over 2 devices."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.up(x)
+
+
+def test_tensor_parallel_on_dimensions_that_do_not_divide():
+    s = strategies.TensorParallelStrategy(2)
+    with pytest.warns(UserWarning, match=r"TensorParallelStrategy: variable up/") as record:
+        with s.scope():
+            model = _Narrow(nnx.Rngs(0))
+    messages = sorted(str(w.message) for w in record if "TensorParallelStrategy" in str(w.message))
+    assert len(messages) == 2  # once per variable: up/bias and up/kernel
+    assert re.search(
+        r"TensorParallelStrategy: variable up/kernel \(shape \(5, 3\)\) matches the "
+        r"Megatron column rule, which splits dimension 1 \(size 3\) over the 'tensor' axis of "
+        r"size 2 \(the tensor-parallel size\), but 3 is not divisible by 2; the variable is "
+        r"replicated on every device instead\. Make dimension 1 a multiple of 2, choose a "
+        r"tensor-parallel size that divides 3, or give the variable its own layout",
+        messages[1],
+    )
+    assert "variable up/bias (shape (3,))" in messages[0]
+    assert record[0].filename == __file__  # points at the user's line, not ours
+    assert dtensor.fetch_layout(model.up.kernel.get_value()).is_fully_replicated()
+    report = s.explain(lambda m, x: m(x).sum(), args=(model, np.ones((8, 5), np.float32)))
+    found = {(w.kind, w.path) for w in report.warnings}
+    assert found >= {("silent-replication", "0/up/kernel"), ("silent-replication", "0/up/bias")}
+    kernel = next(w for w in report.warnings if w.path == "0/up/kernel")
+    assert (
+        "splits dimension 1 (size 3)" in kernel.message and "tensor-parallel size" in kernel.message
+    )
+    # A rule of the user's own for the variable is not a silent fallback.
+    ruled = strategies.TensorParallelStrategy(2, rules=[("up/.*", (None,))])
+    assert ruled.layout_findings("up/bias", np.zeros(3)) == []

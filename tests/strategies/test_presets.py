@@ -256,7 +256,8 @@ def test_tensor_parallel_rules_override_megatron():
 
 def test_tensor_parallel_replicates_what_does_not_divide():
     s = strategies.TensorParallelStrategy(tensor_parallel=4)
-    assert s.variable_layout("mlp/up/kernel", jnp.zeros((16, 6))).is_fully_replicated()
+    with pytest.warns(UserWarning, match=r"variable mlp/up/kernel \(shape \(16, 6\)\)"):
+        assert s.variable_layout("mlp/up/kernel", jnp.zeros((16, 6))).is_fully_replicated()
     assert (
         s.rule_name("mlp/up/kernel", jnp.zeros((16, 6)))
         == "megatron column (not divisible: replicated)"
