@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from rich.text import Text
 from dtensor.core.layout import Layout
 from dtensor.core.tree import is_leaf, path_str
 
-__all__ = ["human_bytes", "layouts_table", "render"]
+__all__ = ["human_bytes", "layouts_table", "render", "sizes_text"]
 
 
 def human_bytes(n: float) -> str:
@@ -31,6 +32,27 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def sizes_text(named: Sequence[tuple[str, int]], *, unit: str = "rows", shown: int = 4) -> str:
+    """Distinct sizes, each with the first names that have it, compactly (not every name).
+
+    Examples:
+        >>> from dtensor.core.text import sizes_text
+        >>> sizes_text([("x", 8), ("y", 6), ("z", 8), ("w", 8), ("v", 4)])
+        '8 rows (x and 2 more), 6 rows (y), 4 rows (v)'
+        >>> sizes_text([(f"a{i}", i) for i in range(6)], unit="items", shown=2)
+        '0 items (a0), 1 items (a1) and 4 other sizes'
+    """
+    by_size: dict[int, list[str]] = {}
+    for name, size in named:
+        by_size.setdefault(int(size), []).append(name)
+    parts = [
+        f"{size} {unit} ({names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+        for size, names in list(by_size.items())[:shown]
+    ]
+    rest = len(by_size) - shown
+    return ", ".join(parts) + (f" and {rest} other sizes" if rest > 0 else "")
 
 
 def layouts_table(tree: Any, layouts: Any, rules: Any = None, *, title: str = "variables") -> Table:

@@ -27,6 +27,7 @@ from flax import nnx
 import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
+from dtensor.core.text import sizes_text
 from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
 from strategies import context
 from strategies.step import args as argkinds
@@ -73,6 +74,7 @@ class StepCompiler:
         nodes = [v for v in flat if is_node(v)]
         cached = self.graphs.get(nodes) if nodes and cache_graph else None
         graphdef, state, layouts = self._node_state(nodes, cached)
+        self._check_rows(with_paths)
         kinds: list[Any] = []
         arrays: list[Any] = []
         for path, v in with_paths:
@@ -217,14 +219,47 @@ class StepCompiler:
             if mesh is not None:
                 return v
         layout = s.batch_layout(np.ndim(v))
-        if np.ndim(v) and np.shape(v)[0] % max(layout.num_shards(0), 1):
-            n = s.num_replicas_in_sync
-            raise LayoutError(
-                f"the global batch (argument {name}, shape {np.shape(v)}) has {np.shape(v)[0]} "
-                f"rows, which does not divide over the {n} replicas of {s!r}. Use a global batch "
-                f"that is a multiple of {n}, or distribute the dataset with pad=True."
-            )
         return dtensor.copy_to_mesh(np.asarray(v) if not isinstance(v, jax.Array) else v, layout)
+
+    def _check_rows(self, with_paths: list[tuple[Any, Any]]) -> None:
+        """One error for batch arrays whose rows do not divide over the replicas.
+
+        Arrays already on the mesh keep their layouts and are not checked here.
+        A ragged batch (arrays of different leading sizes) is described by its
+        distinct sizes, not leaf by leaf.
+        """
+        s = self.strategy
+        rows: list[tuple[str, int]] = []
+        bad: list[tuple[str, Any]] = []
+        for path, v in with_paths:
+            if (
+                argkinds.kind_of(v) is not argkinds.ARRAY
+                or not np.ndim(v)
+                or mesh_of(v) is not None
+            ):
+                continue
+            name, shape = argkinds.arg_name(path), np.shape(v)
+            rows.append((name, shape[0]))
+            if shape[0] % max(s.batch_layout(len(shape)).num_shards(0), 1):
+                bad.append((name, shape))
+        if not bad:
+            return
+        n = s.num_replicas_in_sync
+        if len({r for _, r in rows}) > 1:
+            odd = sorted({shape[0] for _, shape in bad})
+            raise LayoutError(
+                f"the global batch's arrays have different leading sizes: {sizes_text(rows)}; "
+                f"{' and '.join(map(str, odd))} {'does' if len(odd) == 1 else 'do'} not divide over "
+                f"the {n} replicas of {s!r}. Every array of a batch needs the same number of rows, "
+                f"a multiple of {n}: pad or trim the odd ones, or close over arrays that are not "
+                "per-example data in the step instead of passing them."
+            )
+        name, shape = bad[0]
+        raise LayoutError(
+            f"the global batch (argument {name}, shape {shape}) has {shape[0]} rows, which does "
+            f"not divide over the {n} replicas of {s!r}. Use a global batch that is a multiple of "
+            f"{n}, or distribute the dataset with pad=True."
+        )
 
     # --------------------------------------------------------------- compile
     def _compile(

@@ -320,3 +320,38 @@ def test_tensor_parallel_on_dimensions_that_do_not_divide():
     # A rule of the user's own for the variable is not a silent fallback.
     ruled = strategies.TensorParallelStrategy(2, rules=[("up/.*", (None,))])
     assert ruled.layout_findings("up/bias", np.zeros(3)) == []
+
+
+def test_ragged_batch_is_one_error_with_its_distinct_sizes():
+    s = strategies.MirroredStrategy()
+    # Twelve arrays, three sizes: the error lists the sizes, not every leaf.
+    batch = [np.ones((n, 2), np.float32) for n in (8, 12, 8, 4, 12, 12, 8, 8, 12, 4, 8, 8)]
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"the global batch's arrays have different leading sizes: 8 rows \(args\[0\]\[0\] and "
+        r"5 more\), 12 rows \(args\[0\]\[1\] and 3 more\), 4 rows \(args\[0\]\[3\] and 1 more\); 4 "
+        r"and 12 do not divide over the 8 replicas of MirroredStrategy\(.*\)\. Every array of a "
+        r"batch needs the same number of rows, a multiple of 8: pad or trim the odd ones",
+    ) as err:
+        s.run(lambda b: sum(x.sum() for x in b), args=(batch,))
+    assert "args[0][11]" not in str(err.value)
+    # Different sizes that all divide are still a valid call (a step may take several batches).
+    s.run(lambda a, b: a.sum() + b.sum(), args=(np.ones((8, 2)), np.ones((16, 2))))
+    # Through a dataset: a ragged Python list (token ids of different lengths) is named as such.
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"batch\['ids'\] is a ragged list: its 8 rows have different lengths, 3 items \(row 0 "
+        r"and 5 more\), 2 items \(row 1\), 5 items \(row 4\)\. Every row of a batch needs the same "
+        r"length; pad the rows to one length",
+    ):
+        ids = [[1, 2, 3], [4, 5], [1, 2, 3], [1, 2, 3], [1, 2, 3, 4, 5]] + [[7, 8, 9]] * 3
+        list(s.experimental_distribute_dataset([{"ids": ids}]))
+    # A rectangular one is simply an array.
+    (got,) = s.experimental_distribute_dataset([{"ids": [[1, 2]] * 8}])
+    assert got["ids"].shape == (8, 2)
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"different leading sizes: 8 rows \(batch\['x'\]\), 16 rows \(batch\['y'\]\); every "
+        r"array in a batch needs the same number of rows \(dimension 0\)",
+    ):
+        list(s.experimental_distribute_dataset([{"x": np.ones((8, 2)), "y": np.ones((16,))}]))
