@@ -31,6 +31,7 @@ from dtensor.core.text import sizes_text
 from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
 from strategies import context
 from strategies.step import args as argkinds
+from strategies.step.boundary import explicit_axes_error
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
 from strategies.values import PerReplica, ReplicaContext
 
@@ -96,7 +97,13 @@ class StepCompiler:
         if nodes:
             state = self._relayout(state, layouts, compute=True)
         with s.mesh:  # traced under the strategy's mesh, in scope() or not
-            new_state, out = compiled(state, arrays)
+            try:
+                new_state, out = compiled(state, arrays)
+            except ValueError as err:  # JAX's, from tracing the user's step
+                ours = explicit_axes_error(err, s, "run()")
+                if ours is None:
+                    raise
+                raise ours from None
         if nodes:
             stored = self._relayout(new_state, layouts, compute=False)
             if cached is None:
@@ -391,16 +398,22 @@ class StepCompiler:
             kinds.append(kind)
         compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
         with s.mesh:
-            report = explain(
-                compiled,
-                state,
-                arrays,
-                variables=state,
-                rules=rules,
-                data_axes=s.batch_axes,
-                expect_sharded=s.shards_variables,
-                activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
-            )
+            try:
+                report = explain(
+                    compiled,
+                    state,
+                    arrays,
+                    variables=state,
+                    rules=rules,
+                    data_axes=s.batch_axes,
+                    expect_sharded=s.shards_variables,
+                    activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
+                )
+            except ValueError as err:  # JAX's, from tracing the user's step
+                ours = explicit_axes_error(err, s, "explain()")
+                if ours is None:
+                    raise
+                raise ours from None
         extra = self._layout_findings(state)
         return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
 

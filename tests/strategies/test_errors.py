@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import dtensor
 import strategies
@@ -355,3 +357,72 @@ def test_ragged_batch_is_one_error_with_its_distinct_sizes():
         r"array in a batch needs the same number of rows \(dimension 0\)",
     ):
         list(s.experimental_distribute_dataset([{"x": np.ones((8, 2)), "y": np.ones((16,))}]))
+
+
+class _EinsumDense(nnx.Module):
+    """A Linear-like layer written as Flax's annotated Gemma writes them: einsum with out_sharding."""
+
+    def __init__(self, din, dout, rngs, *, axes=("batch", "model"), run_at_init=False):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, axes[1]))
+        self.w = nnx.Param(init(rngs.params(), (din, dout)))
+        self.axes = axes
+        if run_at_init:  # a constructor that traces a forward pass (shape inference, say)
+            self(jnp.ones((8, din)))
+
+    def __call__(self, x):
+        return jnp.einsum("bd,df->bf", x, self.w[...], out_sharding=P(*self.axes))
+
+
+def _loss_step(model, x):
+    return (model(x) ** 2).mean()
+
+
+def test_annotated_model_with_out_sharding_on_auto_axes():
+    mesh = dtensor.create_mesh([("batch", 4), ("model", 2)])  # Auto axes: the default
+    s = strategies.LayoutStrategy(mesh)
+    with s.scope():
+        model = _EinsumDense(8, 16, nnx.Rngs(0))
+    x = np.ones((8, 8), np.float32)
+    fix = (
+        r"Build the mesh with Explicit axes and pass it \(and a LayoutMap built on it\) to the "
+        r"strategy: strategies\.LayoutStrategy\(dtensor\.create_mesh\(\[\('batch', 4\), "
+        r"\('model', 2\)\], axis_types=\"explicit\"\), layout_map\); or remove out_sharding= from "
+        r"the model's layers"
+    )
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"run\(\): the model passes out_sharding=P\('batch', 'model'\) to einsum \(at "
+        r".*test_errors\.py:\d+.*\), which JAX accepts only on Explicit mesh axes, but "
+        r"LayoutStrategy\(mesh=Mesh\(batch=4, model=2\), replicas=4\) runs on Auto axes \(mesh "
+        r"axis 'batch' is Auto\)\. " + fix,
+    ):
+        s.run(_loss_step, args=(model, x))
+    with pytest.raises(dtensor.LayoutError, match=r"explain\(\): the model passes out_sharding="):
+        s.explain(_loss_step, args=(model, x))
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"building _EinsumDense in scope\(\): the model passes out_sharding=P\('batch', "
+        r"'model'\) to einsum",
+    ):
+        with s.scope():
+            _EinsumDense(8, 16, nnx.Rngs(0), run_at_init=True)
+    # Presets that build their own (Auto) mesh point at LayoutStrategy.
+    tp = strategies.TensorParallelStrategy(2)
+    with tp.scope():
+        tp_model = _EinsumDense(8, 16, nnx.Rngs(0), axes=("data", "tensor"))
+    with pytest.raises(
+        dtensor.LayoutError,
+        match=r"run\(\): .* but TensorParallelStrategy\(.*\) runs on Auto axes \(mesh axis 'data' "
+        r"is Auto\)\. TensorParallelStrategy builds its mesh with Auto axes \(what unannotated "
+        r"models need\); run an annotated model under strategies\.LayoutStrategy\(dtensor\."
+        r"create_mesh\(\[\('data', 4\), \('fsdp', 1\), \('tensor', 2\)\], "
+        r"axis_types=\"explicit\"\)\)",
+    ):
+        tp.run(_loss_step, args=(tp_model, x))
+    # The fix the message gives runs.
+    explicit = strategies.LayoutStrategy(
+        dtensor.create_mesh([("batch", 4), ("model", 2)], axis_types="explicit")
+    )
+    with explicit.scope():
+        model = _EinsumDense(8, 16, nnx.Rngs(0))
+    assert np.isfinite(float(explicit.run(_loss_step, args=(model, x))))
