@@ -119,9 +119,11 @@ class StepCompiler:
 
     def _forget(self, dead_ref: Any) -> None:
         """A step function died: drop its compiled steps."""
-        self.compiled.discard_where(
-            lambda k: any(r is dead_ref for r in getattr(k[0], "_refs", ()))
-        )
+
+        def made_by(key: Any) -> bool:  # keys are (FunctionKey, ...) tuples
+            return any(r is dead_ref for r in getattr(key[0], "_refs", ()))
+
+        self.compiled.discard_where(made_by)
 
     def _node_state(self, nodes: list[Any], cached: GraphCache | None) -> tuple[Any, Any, Any]:
         if not nodes:
@@ -238,6 +240,7 @@ class StepCompiler:
         s = self.strategy
         rows: list[tuple[str, int]] = []
         bad: list[tuple[str, Any]] = []
+        shards: dict[int, int] = {}  # rank -> shards of dimension 0 in the batch layout
         for path, v in with_paths:
             if (
                 argkinds.kind_of(v) is not argkinds.ARRAY
@@ -247,7 +250,9 @@ class StepCompiler:
                 continue
             name, shape = argkinds.arg_name(path), np.shape(v)
             rows.append((name, shape[0]))
-            if shape[0] % max(s.batch_layout(len(shape)).num_shards(0), 1):
+            if len(shape) not in shards:
+                shards[len(shape)] = max(s.batch_layout(len(shape)).num_shards(0), 1)
+            if shape[0] % shards[len(shape)]:
                 bad.append((name, shape))
         if not bad:
             return
