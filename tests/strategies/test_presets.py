@@ -451,13 +451,13 @@ def test_central_storage_takes_devices_like_every_preset():
         strategies.CentralStorageStrategy(jax.devices()[:2], devices=jax.devices()[:2])
 
 
-class _Unannotated(nnx.Module):
+class _PlainPair(nnx.Module):
     def __init__(self, rngs):
         self.up = nnx.Linear(8, 16, rngs=rngs)
         self.down = nnx.Linear(16, 8, rngs=rngs)
 
 
-class _Annotated(nnx.Module):
+class _AnnotatedPair(nnx.Module):
     """Flax sharding annotations on a bare Param and on a Linear's kernel."""
 
     def __init__(self, rngs):
@@ -477,7 +477,7 @@ def _same_pytree(in_scope, plain):
         assert type(x) is type(y) and x.get_metadata() == y.get_metadata()
 
 
-@pytest.mark.parametrize("model_cls", [_Unannotated, _Annotated])
+@pytest.mark.parametrize("model_cls", [_PlainPair, _AnnotatedPair])
 @pytest.mark.parametrize("name", strategies.PRESET_NAMES)
 def test_a_model_built_in_scope_is_the_same_pytree(name, model_cls):
     """scope() lays a model out and changes nothing else: structure, metadata, values."""
