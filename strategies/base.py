@@ -27,6 +27,7 @@ from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
 from strategies import context, creation
 from strategies.datasets import CheckedShares
+from strategies.step.boundary import explicit_axes_error
 from strategies.step.compiler import StepCompiler
 from strategies.values import InputContext, PerReplica, ValueContext
 
@@ -202,6 +203,15 @@ class Strategy:
             >>> dtensor.fetch_layout(layer.kernel.get_value()).sharding_specs
             ('fsdp', 'unsharded')
         """
+        try:
+            return self._create(factory)
+        except ValueError as err:  # JAX's, from the factory (a layer run at init, say)
+            ours = explicit_axes_error(err, self, "create()")
+            if ours is None:
+                raise
+            raise ours from None
+
+    def _create(self, factory: Callable[[], Any]) -> Any:
         with self.mesh, nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(factory)
             is_nnx = is_node(abstract)

@@ -406,6 +406,8 @@ def test_annotated_model_with_out_sharding_on_auto_axes():
     ):
         with s.scope():
             _EinsumDense(8, 16, nnx.Rngs(0), run_at_init=True)
+    with pytest.raises(dtensor.LayoutError, match=r"create\(\): the model passes out_sharding="):
+        s.create(lambda: _EinsumDense(8, 16, nnx.Rngs(0), run_at_init=True))
     # Presets that build their own (Auto) mesh point at LayoutStrategy.
     tp = strategies.TensorParallelStrategy(2)
     with tp.scope():
