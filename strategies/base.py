@@ -27,6 +27,7 @@ from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
 from strategies import context, creation
 from strategies.datasets import CheckedShares
+from strategies.step.boundary import explicit_axes_error
 from strategies.step.compiler import StepCompiler
 from strategies.values import InputContext, PerReplica, ValueContext
 
@@ -108,6 +109,14 @@ class Strategy:
             layout.check_shape(np.shape(leaf_value(leaf)), path)
             return ResolvedLayout(layout, "flax annotation")
         return ResolvedLayout(self.storage_layout(path, leaf), self.rule_name(path, leaf))
+
+    def layout_findings(self, path: str, leaf: Any) -> list[tuple[str, str]]:
+        """``(kind, message)`` warnings about one variable's layout for :meth:`explain` (none here).
+
+        A hook for presets whose rules can fall back silently (a Megatron rule
+        on a dimension the tensor-parallel size does not divide).
+        """
+        return []
 
     def adopt(self, x: jax.Array, mesh: Mesh) -> jax.Array | None:
         """A ``run`` argument laid out on another mesh that this preset knows how to move (``None``: it does not)."""
@@ -194,6 +203,15 @@ class Strategy:
             >>> dtensor.fetch_layout(layer.kernel.get_value()).sharding_specs
             ('fsdp', 'unsharded')
         """
+        try:
+            return self._create(factory)
+        except ValueError as err:  # JAX's, from the factory (a layer run at init, say)
+            ours = explicit_axes_error(err, self, "create()")
+            if ours is None:
+                raise
+            raise ours from None
+
+    def _create(self, factory: Callable[[], Any]) -> Any:
         with self.mesh, nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(factory)
             is_nnx = is_node(abstract)
@@ -296,7 +314,8 @@ class Strategy:
 
         def one(v: Any) -> Any:
             if isinstance(v, PerReplica):
-                axes = (0,) if axis is None else (0, axis + 1)
+                # Dimension `axis` of each replica's value is `axis + 1` of the stacked one.
+                axes = (0,) if axis is None else (0, axis % (v.value.ndim - 1) + 1)
                 return _jit_reduce(reducer, axes)(v.value)
             if axis is None:
                 return v
@@ -409,16 +428,36 @@ class Strategy:
 
 
 def _check_reduce_axis(value: Any, axis: int | None) -> None:
+    """A four-part ``ValueError`` unless ``axis`` is a dimension of every leaf of ``value``."""
     if axis is None:
         return
-    for leaf in jax.tree.leaves(value, is_leaf=lambda v: isinstance(v, PerReplica)):
-        shape = np.shape(leaf.value)[1:] if isinstance(leaf, PerReplica) else np.shape(leaf)
-        if not -len(shape) <= axis < len(shape):
-            raise ValueError(
-                f"strategy.reduce(..., axis={axis}): each replica's value has rank {len(shape)} "
-                f"(shape {tuple(shape)}), so axis must be None or in [{-len(shape)}, "
-                f"{len(shape) - 1}]. Pass axis=None to reduce across replicas only."
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(
+            f"strategy.reduce(..., axis={axis!r}): axis must be an int or None, got a "
+            f"{type(axis).__name__}. Pass one dimension (axis=0), or None to reduce across "
+            "replicas only."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(value, is_leaf=lambda v: isinstance(v, PerReplica))
+    for path, leaf in leaves:
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
+        if isinstance(leaf, PerReplica):
+            shape = np.shape(leaf.value)[1:]
+            what = f"each replica's value{where} has rank {len(shape)} (shape {tuple(shape)})"
+            fix = "Pass axis=None to reduce across replicas only."
+        else:
+            shape = np.shape(leaf)
+            what = (
+                f"the value{where} is one global array of rank {len(shape)} (shape "
+                f"{tuple(shape)}; its batch dimension already spans all replicas)"
             )
+            fix = "Pass axis=None to get it back unchanged, or a dimension it has."
+        if not -len(shape) <= axis < len(shape):
+            valid = (
+                "axis must be None (a scalar has no dimensions)"
+                if not shape
+                else f"axis must be None or in [{-len(shape)}, {len(shape) - 1}]"
+            )
+            raise ValueError(f"strategy.reduce(..., axis={axis}): {what}, so {valid}. {fix}")
 
 
 @functools.lru_cache(maxsize=64)

@@ -27,6 +27,8 @@ import jax.core
 from flax import nnx
 from flax.nnx import pytreelib
 
+from strategies.step.boundary import explicit_axes_error
+
 if TYPE_CHECKING:
     from strategies.base import Strategy
 
@@ -66,6 +68,11 @@ def _wrapped_call(cls: Any, *args: Any, **kwargs: Any) -> Any:
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         obj = original(cls, *args, **kwargs)
+    except ValueError as err:  # JAX's, from the constructor (a layer run at init, say)
+        ours = explicit_axes_error(err, strategy, f"building {cls.__name__} in scope()")
+        if ours is None or _local.depth > 1:  # reported once, by the outermost construction
+            raise
+        raise ours from None
     finally:
         _local.depth -= 1
     if (

@@ -262,3 +262,59 @@ def test_collective_bad_input():
         match=r"broadcast source=2 is out of range; mesh axes \('b',\) have 2 positions",
     ):
         broadcast(x, "b", source=2)
+
+
+def test_collective_arguments_in_the_wrong_places():
+    mesh = create_mesh([("a", 4), ("b", 2)])
+    x = copy_to_mesh(np.zeros((8, 4), np.float32), Layout(["a", None], mesh))
+    # The reduce op where the axes go (tf.distribute's reduce(op, value) habit), and back.
+    with pytest.raises(
+        TypeError,
+        match=r"all_reduce\(x, 'sum', 'a'\): the reduce op 'sum' is where the mesh axes go, and "
+        r"the axes 'a' where the op goes; the signature is dtensor\.all_reduce\(x, axes, "
+        r"op=ReduceOp\.SUM, \*, layout=None\)\. Swap them: all_reduce\(x, 'a', 'sum'\)",
+    ):
+        all_reduce(x, "sum", "a")
+    with pytest.raises(
+        TypeError, match=r"the reduce op 'MAX' is where .* all_reduce\(x, 'a', 'max'\)"
+    ):
+        all_reduce(x, ReduceOp.MAX, "a")
+    with pytest.raises(
+        TypeError,
+        match=r"all_reduce\(x, 'mean', \.\.\.\): 'mean' is a reduce op, passed where the mesh axes "
+        r"go; .* all_reduce\(x, 'a', op='mean'\)",
+    ):
+        all_reduce(x, "mean")
+    with pytest.raises(
+        TypeError,
+        match=r"all_reduce\(x, 'a', 'b'\): 'b' is not a reduce op .* mesh axes; .*"
+        r"all_reduce\(x, \('a', 'b'\)\)",
+    ):
+        all_reduce(x, "a", "b")
+    with pytest.raises(
+        TypeError,
+        match=r"reduce_scatter\(x, 'sum', \.\.\.\): 'sum' is a reduce op.*dtensor\.reduce_scatter\(x, "
+        r"axes, \*, dim=0, op=ReduceOp\.SUM, layout=None\)\. .*reduce_scatter\(x, 'a', op='sum'\)",
+    ):
+        reduce_scatter(x, "sum")
+    # The axes before the array.
+    with pytest.raises(
+        TypeError,
+        match=r"all_gather\('a', <array>\): the array comes first and the mesh axes second; the "
+        r"signature is dtensor\.all_gather\(x, axes, \*, layout=None\)",
+    ):
+        all_gather("a", x)
+    # An integer dimension where mesh axis names go.
+    with pytest.raises(
+        TypeError,
+        match=r"broadcast\(x, 0\): axes must be a mesh axis name or a sequence of names, got 0 "
+        r"\(int\) \(an integer dimension\?.*dtensor\.broadcast\(x, axes, \*, source=0, "
+        r"layout=None\)\. Pass axis names: broadcast\(x, 'a'\)",
+    ):
+        broadcast(x, 0)
+    with pytest.raises(TypeError, match=r"all_gather\(x, 1\): axes must be a mesh axis name"):
+        all_gather(x, 1)
+    # A mesh axis that happens to be named like an op is an axis, not a slip.
+    odd = create_mesh([("sum", 8)])
+    y = copy_to_mesh(np.arange(8.0, dtype=np.float32), Layout(["sum"], odd))
+    assert float(all_reduce(y, "sum", "max")[0]) == 7.0

@@ -134,7 +134,8 @@ def test_arrays_without_a_batch_size(mesh):
 def test_leaves_with_different_row_counts(mesh):
     with pytest.raises(
         LayoutError,
-        match=r"different leading sizes \[6, 8\]; every array in a batch needs the same number of rows",
+        match=r"different leading sizes: 8 rows \(batch\[.x.\]\), 6 rows \(batch\[.y.\]\); every array "
+        r"in a batch needs the same number of rows",
     ):
         list(DTensorDataset([{"x": np.ones((8, 2)), "y": np.ones((6,))}], mesh))
 

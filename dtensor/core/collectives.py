@@ -25,16 +25,91 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
-from dtensor.core.arrays import fetch_layout, is_traced
+from dtensor.core.arrays import fetch_layout, is_traced, mesh_of
 from dtensor.core.layout import UNSHARDED, Layout, LayoutError
 from dtensor.core.reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 
 
-def _axes(axes: str | Sequence[str]) -> tuple[str, ...]:
+_SIGNATURES = {
+    "all_reduce": "dtensor.all_reduce(x, axes, op=ReduceOp.SUM, *, layout=None)",
+    "all_gather": "dtensor.all_gather(x, axes, *, layout=None)",
+    "reduce_scatter": "dtensor.reduce_scatter(x, axes, *, dim=0, op=ReduceOp.SUM, layout=None)",
+    "broadcast": "dtensor.broadcast(x, axes, *, source=0, layout=None)",
+}
+_NO_OP = object()
+
+
+def _is_op(v: Any) -> bool:
+    """Whether ``v`` reads as a reduce op (a :class:`ReduceOp` or one's name)."""
+    return isinstance(v, ReduceOp) or (
+        isinstance(v, str) and v.lower() in {o.value for o in ReduceOp}
+    )
+
+
+def _is_axes(v: Any) -> bool:
+    return isinstance(v, str) or (
+        isinstance(v, Sequence) and bool(v) and all(isinstance(a, str) for a in v)
+    )
+
+
+def _axes(
+    fn: str, x: Any, axes: Any, op: Any = _NO_OP, *, layout: Layout | None = None
+) -> tuple[str, ...]:
+    """``axes`` as a tuple, or a four-part error for arguments given in the wrong places.
+
+    The usual slips: the reduce op where the mesh axes go (``all_reduce(x, "sum",
+    "x")``, TF's ``reduce(op, value)`` order), the axes before the array, or
+    an integer dimension where mesh axis names go.
+    """
+    sig = _SIGNATURES[fn]
+    mesh = layout.mesh if layout is not None else mesh_of(x)
+    example = repr(mesh.dim_names[0]) if mesh is not None else "'batch'"
+    if _is_axes(x) and isinstance(axes, jax.Array | np.ndarray):
+        raise TypeError(
+            f"{fn}({x!r}, <array>): the array comes first and the mesh axes second; the signature "
+            f"is {sig}. Call {fn}(x, {x!r}, ...)."
+        )
+    if _is_op(axes) and not (mesh is not None and axes in mesh.dim_names):
+        name = axes.name if isinstance(axes, ReduceOp) else axes
+        if op is not _NO_OP and _is_axes(op) and not _is_op(op):
+            raise TypeError(
+                f"{fn}(x, {axes!r}, {op!r}): the reduce op {name!r} is where the mesh axes go, "
+                f"and the axes {op!r} where the op goes; the signature is {sig}. Swap them: "
+                f"{fn}(x, {op!r}, {name.lower()!r})."
+            )
+        raise TypeError(
+            f"{fn}(x, {axes!r}, ...): {name!r} is a reduce op, passed where the mesh axes go; "
+            f"the signature is {sig}. Name the mesh axes first and the op after them: "
+            f"{fn}(x, {example}, op={name.lower()!r})."
+        )
+    if not _is_axes(axes):
+        hint = (
+            " (an integer dimension? collectives act over mesh axis names; the dimension follows "
+            "from the array's layout)"
+            if isinstance(axes, int | np.integer)
+            else ""
+        )
+        raise TypeError(
+            f"{fn}(x, {axes!r}): axes must be a mesh axis name or a sequence of names, got "
+            f"{axes!r} ({type(axes).__name__}){hint}; the signature is {sig}. Pass axis names: "
+            f"{fn}(x, {example})."
+        )
+    named = mesh is not None and _is_axes(op) and set(_as_tuple(op)) <= set(mesh.dim_names)
+    if op is not _NO_OP and not _is_op(op) and named:
+        raise TypeError(
+            f"{fn}(x, {axes!r}, {op!r}): {op!r} is not a reduce op (SUM, MEAN, MAX, MIN) but "
+            f"mesh axes; the signature is {sig}. Give all the axes in one sequence: "
+            f"{fn}(x, {(*_as_tuple(axes), *_as_tuple(op))!r})."
+        )
+    return _as_tuple(axes)
+
+
+def _as_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
@@ -112,8 +187,8 @@ def all_reduce(
         >>> dtensor.all_reduce(x, "x", dtensor.ReduceOp.MAX)
         Array([7.], dtype=float32)
     """
+    axes = _axes("all_reduce", x, axes, op, layout=layout)
     op = ReduceOp.parse(op)
-    axes = _axes(axes)
     layout = _input_layout(x, layout, "all_reduce")
     _check_axes(layout, axes, "all_reduce")
     return _shard_map(
@@ -134,7 +209,7 @@ def all_gather(
         >>> dtensor.fetch_layout(y).is_fully_replicated(), bool((y == x).all())
         (True, True)
     """
-    axes = _axes(axes)
+    axes = _axes("all_gather", x, axes, layout=layout)
     layout = _input_layout(x, layout, "all_gather")
     _check_axes(layout, axes, "all_gather")
     dims = [d for d in range(layout.rank) if set(axes) & set(layout.axes(d))]
@@ -178,8 +253,8 @@ def reduce_scatter(
         >>> y, dtensor.fetch_layout(y)
         (Array([8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32), Layout(['x'], mesh=Mesh(x=8)))
     """
+    axes = _axes("reduce_scatter", x, axes, op, layout=layout)
     op = ReduceOp.parse(op)
-    axes = _axes(axes)
     layout = _input_layout(x, layout, "reduce_scatter")
     _check_axes(layout, axes, "reduce_scatter")
     if not 0 <= dim < layout.rank:
@@ -219,7 +294,7 @@ def broadcast(
         >>> dtensor.broadcast(x, "x", source=3)
         Array([3.], dtype=float32)
     """
-    axes = _axes(axes)
+    axes = _axes("broadcast", x, axes, layout=layout)
     layout = _input_layout(x, layout, "broadcast")
     _check_axes(layout, axes, "broadcast")
     n = layout.mesh.axis_size(axes)

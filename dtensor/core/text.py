@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -16,7 +17,7 @@ from rich.text import Text
 from dtensor.core.layout import UNSHARDED, Layout
 from dtensor.core.tree import is_leaf, path_str
 
-__all__ = ["compact_layout", "elide_middle", "human_bytes", "layouts_table", "render"]
+__all__ = ["compact_layout", "elide_middle", "human_bytes", "layouts_table", "render", "sizes_text"]
 
 
 def human_bytes(n: float) -> str:
@@ -32,6 +33,27 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def sizes_text(named: Sequence[tuple[str, int]], *, unit: str = "rows", shown: int = 4) -> str:
+    """Distinct sizes, each with the first names that have it, compactly (not every name).
+
+    Examples:
+        >>> from dtensor.core.text import sizes_text
+        >>> sizes_text([("x", 8), ("y", 6), ("z", 8), ("w", 8), ("v", 4)])
+        '8 rows (x and 2 more), 6 rows (y), 4 rows (v)'
+        >>> sizes_text([(f"a{i}", i) for i in range(6)], unit="items", shown=2)
+        '0 items (a0), 1 items (a1) and 4 other sizes'
+    """
+    by_size: dict[int, list[str]] = {}
+    for name, size in named:
+        by_size.setdefault(int(size), []).append(name)
+    parts = [
+        f"{size} {unit} ({names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+        for size, names in list(by_size.items())[:shown]
+    ]
+    rest = len(by_size) - shown
+    return ", ".join(parts) + (f" and {rest} other sizes" if rest > 0 else "")
 
 
 _SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}

@@ -25,8 +25,9 @@ import numpy as np
 from dtensor.core.arrays import copy_to_mesh
 from dtensor.core.layout import Layout, LayoutError
 from dtensor.core.mesh import Mesh
+from dtensor.core.text import sizes_text
 
-__all__ = ["DTensorDataset", "pad_batch"]
+__all__ = ["DTensorDataset", "lists_to_arrays", "pad_batch"]
 
 _END = object()
 
@@ -61,13 +62,59 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
 
 
 def _rows(batch: Any) -> int:
-    sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x) > 0}
+    named = [
+        (f"batch{jax.tree_util.keystr(path)}", int(np.shape(x)[0]))
+        for path, x in jax.tree_util.tree_leaves_with_path(batch)
+        if np.ndim(x) > 0
+    ]
+    sizes = {n for _, n in named}
     if len(sizes) != 1:
+        got = sizes_text(named) if named else "none (every leaf is a scalar)"
         raise LayoutError(
-            f"the leaves of a batch have different leading sizes {sorted(sizes)}; every array in "
-            "a batch needs the same number of rows (dimension 0)."
+            f"the leaves of a batch have different leading sizes: {got}; every array in a batch "
+            "needs the same number of rows (dimension 0). Give every array the batch's rows, or "
+            "close over the odd one in the step instead of putting it in the batch."
         )
     return sizes.pop()
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float | bool | complex | np.number)
+
+
+def _is_data_list(v: Any) -> bool:
+    """A (nested) Python list of numbers: one field's rows, not a list of fields."""
+    return isinstance(v, list) and bool(v) and all(_is_number(e) or _is_data_list(e) for e in v)
+
+
+def lists_to_arrays(batch: Any) -> Any:
+    """Fields given as (nested) Python lists of numbers, as numpy arrays.
+
+    A ragged list (rows of different lengths) raises one error naming the
+    field and its distinct row lengths.
+
+    Examples:
+        >>> import numpy as np
+        >>> from dtensor.data.dataset import lists_to_arrays
+        >>> lists_to_arrays({"ids": [[1, 2], [3, 4]], "x": np.ones(2)})["ids"].shape
+        (2, 2)
+    """
+
+    def convert(path: Any, v: Any) -> Any:
+        if not _is_data_list(v):
+            return v
+        try:
+            return np.asarray(v)
+        except ValueError:  # numpy: "inhomogeneous shape"
+            lengths = [(f"row {i}", len(r) if isinstance(r, list) else 1) for i, r in enumerate(v)]
+            raise LayoutError(
+                f"batch{jax.tree_util.keystr(path)} is a ragged list: its {len(v)} rows have "
+                f"different lengths, {sizes_text(lengths, unit='items')}. Every row of a batch "
+                "needs the same length; pad the rows to one length (and mask the padding), or "
+                "bucket examples by length."
+            ) from None
+
+    return jax.tree_util.tree_map_with_path(convert, batch, is_leaf=_is_data_list)
 
 
 class DTensorDataset:
@@ -150,6 +197,7 @@ class DTensorDataset:
 
     def place(self, batch: Any) -> Any:
         """Turn one host batch into global arrays (``(batch, weights)`` when padding)."""
+        batch = lists_to_arrays(batch)
         rows = _rows(batch)
         procs = jax.process_count() if self.process_local else 1
         global_rows = rows * procs

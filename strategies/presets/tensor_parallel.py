@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +14,7 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout, LayoutMap
-from dtensor.core.tree import leaf_value
+from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
 from strategies.sharding import nbytes, shard_largest_dim
 
@@ -150,13 +152,49 @@ class HybridStrategy(Strategy):
             hit = megatron_specs(path, shape)
             if hit is not None:
                 specs, rule = hit
-                n = self.mesh.shape["tensor"]
-                if all(s != _T or shape[d] % n == 0 for d, s in enumerate(specs)):
+                if self._indivisible(path, shape, specs, rule) is None:
                     return specs, f"megatron {rule}"
                 return [dtensor.UNSHARDED] * len(
                     shape
                 ), f"megatron {rule} (not divisible: replicated)"
         return [dtensor.UNSHARDED] * len(shape), None
+
+    def _indivisible(
+        self, path: str, shape: Sequence[int], specs: Sequence[Any], rule: str
+    ) -> str | None:
+        """Why a Megatron rule cannot split ``path`` (warned once per variable), or ``None``."""
+        n = self.mesh.shape[_T]
+        bad = [d for d, s in enumerate(specs) if s == _T and shape[d] % n]
+        if not bad:
+            return None
+        d = bad[0]
+        msg = (
+            f"{type(self).__name__}: variable {path} (shape {tuple(shape)}) matches the Megatron "
+            f"{rule} rule, which splits dimension {d} (size {shape[d]}) over the {_T!r} axis of "
+            f"size {n} (the tensor-parallel size), but {shape[d]} is not divisible by {n}; the "
+            f"variable is replicated on every device instead. Make dimension {d} a multiple of "
+            f"{n}, choose a tensor-parallel size that divides {shape[d]}, or give the variable "
+            "its own layout with rules=[(regex, specs)]."
+        )
+        warned = self.__dict__.setdefault("_indivisible_warned", set())
+        # Once per variable; an optimizer's moments of it say nothing new.
+        if "opt_state" not in path.split("/") and (path, tuple(shape)) not in warned:
+            warned.add((path, tuple(shape)))
+            warnings.warn(msg, UserWarning, stacklevel=_user_stacklevel())
+        return msg
+
+    def layout_findings(self, path: str, leaf: Any) -> list[tuple[str, str]]:
+        """A ``silent-replication`` finding for a variable a Megatron rule could not split."""
+        shape = np.shape(leaf_value(leaf))
+        if self.mesh.shape[_T] == 1 or "opt_state" in path.split("/"):
+            return []
+        if self.rules is not None and self.rules.match(path):
+            return []
+        hit = megatron_specs(path, shape)
+        if hit is None:
+            return []
+        msg = self._indivisible(path, shape, *hit)
+        return [] if msg is None else [("silent-replication", msg)]
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
         specs, _ = self._tensor_specs(path, leaf)
@@ -191,7 +229,7 @@ class HybridStrategy(Strategy):
         )
         rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
         for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
-            p = dtensor.core.tree.path_str(path)
+            p = path_str(path)
             if not rule or "opt_state" in p.split("/"):
                 continue
             value = leaf_value(leaf)
@@ -208,6 +246,18 @@ class HybridStrategy(Strategy):
         if rule is None and self.mesh.shape["tensor"] > 1:
             return None  # no tensor rule matched: reported as unmatched
         return rule or self.name
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this library and Flax."""
+    ours = ("strategies", "dtensor", "flax", "jax", "contextlib")
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in ours:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 class TensorParallelStrategy(HybridStrategy):

@@ -88,5 +88,7 @@ def kind_of(leaf: Any) -> Any:
 
 
 def _short(v: Any) -> str:
-    text = repr(v)
+    if hasattr(v, "shape") and hasattr(v, "dtype"):  # arrays: their type, not their values
+        return f"<{type(v).__name__} {v.dtype}{list(v.shape)}>"
+    text = " ".join(repr(v).split())
     return text if len(text) <= 60 else text[:57] + "..."

@@ -256,7 +256,8 @@ def test_tensor_parallel_rules_override_megatron():
 
 def test_tensor_parallel_replicates_what_does_not_divide():
     s = strategies.TensorParallelStrategy(tensor_parallel=4)
-    assert s.variable_layout("mlp/up/kernel", jnp.zeros((16, 6))).is_fully_replicated()
+    with pytest.warns(UserWarning, match=r"variable mlp/up/kernel \(shape \(16, 6\)\)"):
+        assert s.variable_layout("mlp/up/kernel", jnp.zeros((16, 6))).is_fully_replicated()
     assert (
         s.rule_name("mlp/up/kernel", jnp.zeros((16, 6)))
         == "megatron column (not divisible: replicated)"
@@ -448,3 +449,49 @@ def test_central_storage_takes_devices_like_every_preset():
     assert s.num_replicas_in_sync == 4 and s.parameter_device == jax.devices()[0]
     with pytest.raises(ValueError, match="both compute_devices= and devices="):
         strategies.CentralStorageStrategy(jax.devices()[:2], devices=jax.devices()[:2])
+
+
+class _PlainPair(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 16, rngs=rngs)
+        self.down = nnx.Linear(16, 8, rngs=rngs)
+
+
+class _AnnotatedPair(nnx.Module):
+    """Flax sharding annotations on a bare Param and on a Linear's kernel."""
+
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        self.w = nnx.Param(init(rngs.params(), (8, 16)))
+        self.up = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+
+
+def _same_pytree(in_scope, plain):
+    a, b = nnx.state(in_scope), nnx.state(plain)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), a, b)  # same values
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    for x, y in zip(
+        jax.tree.leaves(a, is_leaf=is_var), jax.tree.leaves(b, is_leaf=is_var), strict=True
+    ):
+        assert type(x) is type(y) and x.get_metadata() == y.get_metadata()
+
+
+@pytest.mark.parametrize("model_cls", [_PlainPair, _AnnotatedPair])
+@pytest.mark.parametrize("name", strategies.PRESET_NAMES)
+def test_a_model_built_in_scope_is_the_same_pytree(name, model_cls):
+    """scope() lays a model out and changes nothing else: structure, metadata, values."""
+    s = strategies.from_name(name)
+    # Eager sharding off (annotations are metadata only): built in scope or not.
+    with nnx.use_eager_sharding(False):
+        plain = model_cls(nnx.Rngs(0))
+        with s.scope():
+            in_scope = model_cls(nnx.Rngs(0))
+    _same_pytree(in_scope, plain)
+    # Flax's default (eager sharding on): an annotated model is built under a mesh with its axes.
+    model_mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(model_mesh):
+        plain = model_cls(nnx.Rngs(0))
+    with s.scope():
+        in_scope = model_cls(nnx.Rngs(0))
+    _same_pytree(in_scope, plain)
