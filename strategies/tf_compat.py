@@ -72,17 +72,13 @@ def local_results(value: Any) -> tuple[Any, ...]:
 class StrategyExtended:
     """``strategy.extended``: the members of tf.distribute's ``StrategyExtended`` that loops use.
 
-    Attributes:
-        worker_devices: this process's devices that compute (the strategy's
-            mesh's local devices), as a tuple.
-        parameter_devices: the devices variables are stored on (for
-            :class:`CentralStorageStrategy` the parameter device; for the
-            others every device of the mesh, each holding its share).
-        should_checkpoint: ``True`` on every process: each takes part in
-            :func:`dtensor.checkpoint.save` (orbax writes every process's
-            shards; no per-worker temporary directories are needed).
-        should_save_summary: ``True`` on process 0 only (the chief writes
-            summaries and logs).
+    ``worker_devices`` are this process's compute devices; ``parameter_devices``
+    where variables are stored (for :class:`strategies.CentralStorageStrategy`
+    the parameter device, for the others every device of the mesh, each
+    holding its share). ``should_checkpoint`` is ``True`` on every process:
+    each takes part in :func:`dtensor.checkpoint.save` (orbax writes every
+    process's shards, so no per-worker temporary directories are needed);
+    ``should_save_summary`` only on process 0 (the chief writes summaries).
 
     Examples:
         >>> import strategies
