@@ -61,7 +61,10 @@ typehints_fully_qualified = False
 always_document_param_types = False
 typehints_document_rtype = True
 # Forward references under `if TYPE_CHECKING:` stay as written instead of failing the build.
-suppress_warnings = ["sphinx_autodoc_typehints.forward_reference", "sphinx_autodoc_typehints.guarded_import"]
+suppress_warnings = [
+    "sphinx_autodoc_typehints.forward_reference",
+    "sphinx_autodoc_typehints.guarded_import",
+]
 
 # ------------------------------------------------------------------- theme
 html_theme = "sphinx_book_theme"
@@ -100,12 +103,49 @@ def _missing_reference(app, env, node, contnode):  # type: ignore[no-untyped-def
         if head in PUBLIC:
             public = f"{PUBLIC[head]}.{attr}"
     if public is None:
-        return None
+        return _external_reference(node, contnode)
     domain = env.domains["py"]
     for role in ("class", "func", "exc", "meth", "attr", "obj"):
         found = domain.resolve_xref(env, node["refdoc"], app.builder, role, public, node, contnode)
         if found is not None:
             return found
+    return None
+
+
+EXTERNAL = {  # no intersphinx (no network at build time): link out by URL
+    "jax.sharding.": "https://docs.jax.dev/en/latest/jax.sharding.html#{target}",
+    "jax.": "https://docs.jax.dev/en/latest/_autosummary/{target}.html",
+    "flax.": "https://flax.readthedocs.io/en/latest/",
+    "optax.": "https://optax.readthedocs.io/en/latest/",
+    "orbax.": "https://orbax.readthedocs.io/en/latest/",
+    "numpy.": "https://numpy.org/doc/stable/",
+}
+
+
+# Where JAX's classes are defined -> where JAX documents them.
+EXTERNAL_ALIASES = {
+    "jax.jaxlib._jax.Array": "jax.Array",
+    "jaxlib._jax.Array": "jax.Array",
+    "jax._src.mesh.Mesh": "jax.sharding.Mesh",
+    "jax._src.named_sharding.NamedSharding": "jax.sharding.NamedSharding",
+    "jax._src.partition_spec.PartitionSpec": "jax.sharding.PartitionSpec",
+    "jax.P": "jax.sharding.PartitionSpec",
+    "jax._src.api.ShapeDtypeStruct": "jax.ShapeDtypeStruct",
+}
+
+
+def _external_reference(node, contnode):  # type: ignore[no-untyped-def]
+    from docutils import nodes
+
+    target = node.get("reftarget", "")
+    target = EXTERNAL_ALIASES.get(target, target)
+    if target.startswith("jax") and "._" in target:  # private: JAX documents it elsewhere or not
+        return None
+    for prefix, url in EXTERNAL.items():
+        if target.startswith(prefix):
+            ref = nodes.reference("", "", internal=False, refuri=url.format(target=target))
+            ref += contnode
+            return ref
     return None
 
 

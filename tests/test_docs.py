@@ -170,3 +170,20 @@ def test_tf_distribute_table_names_exist_here():
             obj = found
         checked += 1
     assert checked > 60
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_executed_notebooks_match_the_tutorials(name):
+    """docs/notebooks/ are executed copies of notebooks/: regenerate after an edit there."""
+    import nbformat
+
+    source = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    executed = nbformat.read(DOCS / "notebooks" / f"{name}.ipynb", as_version=4)
+    assert [c.source for c in executed.cells] == [c.source for c in source.cells], (
+        f"docs/notebooks/{name}.ipynb is stale; rerun `make docs-notebooks` "
+        "(python docs/execute_notebooks.py)"
+    )
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code)
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert errors == []
