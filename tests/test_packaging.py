@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 pytestmark = pytest.mark.slow
+SKIP = (".git", ".venv", "build", "dist", "_build", "runs", "__pycache__", "*.egg-info", ".*cache")
 
 STEP = """
 import jax
@@ -60,8 +62,11 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
+    # Build from a copy, so the build's egg-info and build/ never land in the checkout.
+    src = tmp_path_factory.mktemp("src") / "jax-dtensor"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*SKIP))
     out = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)]
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
