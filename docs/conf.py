@@ -149,5 +149,49 @@ def _external_reference(node, contnode):  # type: ignore[no-untyped-def]
     return None
 
 
+def _remaining_public_names_directive():  # type: ignore[no-untyped-def]
+    """``.. remaining-public-names:: strategies``: autodoc for each name in the module's
+    ``__all__`` that the page does not document by name yet, so a name added to
+    ``__all__`` is in the reference before it is given its place in a topic."""
+    import importlib
+
+    from docutils import nodes
+    from docutils.parsers.rst import directives
+    from docutils.statemachine import StringList
+    from sphinx.util.docutils import SphinxDirective
+
+    class RemainingPublicNames(SphinxDirective):
+        required_arguments = 1
+        option_spec = {"exclude": directives.unchanged}
+
+        def run(self):  # type: ignore[no-untyped-def]
+            module = importlib.import_module(self.arguments[0])
+            source = Path(self.env.doc2path(self.env.docname)).read_text()
+            exclude = {n.strip() for n in self.options.get("exclude", "").split(",") if n.strip()}
+            lines: list[str] = []
+            for name in module.__all__:
+                qualified = f"{module.__name__}.{name}"
+                obj = getattr(module, name)
+                if name in exclude or inspect.ismodule(obj) or f":: {qualified}\n" in source:
+                    continue
+                if inspect.isclass(obj) and issubclass(obj, BaseException):
+                    lines += [f".. autoexception:: {qualified}", ""]
+                elif inspect.isclass(obj):
+                    lines += [f".. autoclass:: {qualified}", "   :members:", ""]
+                elif callable(obj):
+                    lines += [f".. autofunction:: {qualified}", ""]
+                else:
+                    lines += [f".. autodata:: {qualified}", ""]
+            if not lines:
+                return []
+            container = nodes.container()
+            container += nodes.rubric(text="More public names")
+            self.state.nested_parse(StringList(lines, source=self.env.docname), 0, container)
+            return [container]
+
+    return RemainingPublicNames
+
+
 def setup(app):  # type: ignore[no-untyped-def]
     app.connect("missing-reference", _missing_reference)
+    app.add_directive("remaining-public-names", _remaining_public_names_directive())
