@@ -6,7 +6,8 @@ The site renders these stored outputs (myst-nb ``nb_execution_mode = "off"``),
 so ``make docs`` runs no notebook. notebooks/*.ipynb stay without outputs
 (tests/test_notebooks.py checks that); rerun this after changing them. Each
 notebook runs in a fresh kernel on this interpreter, in a temporary directory,
-with 8 simulated CPU devices, as tests/test_notebooks.py runs them.
+with 8 simulated CPU devices, as tests/test_notebooks.py runs them, but
+without ``JAX_PLATFORMS`` in the environment.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def execute(path: Path, work: Path) -> nbformat.NotebookNode:
         allow_errors=False,
         resources={"metadata": {"path": str(run_dir)}},
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # JAX_PLATFORMS left unset, as on a reader's machine: the notebooks select the CPU
+    # themselves, so libtpu (the tpu-aot extra) prints nothing into the stored outputs.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     client.execute(env=env)
     _scrub(nb)
