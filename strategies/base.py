@@ -81,6 +81,13 @@ class Strategy:
         """This process's replicas' values as a tuple; a plain value gives ``(value,)``.
 
         See :func:`strategies.tf_compat.local_results`.
+
+        Examples:
+            >>> import strategies, numpy as np
+            >>> s = strategies.MirroredStrategy()
+            >>> out = s.run(lambda x: x.sum(), args=(np.ones((16, 2), "f4"),), per_replica=True)
+            >>> [float(v) for v in s.experimental_local_results(out)]
+            [4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
         """
         return tf_compat.local_results(value)
 

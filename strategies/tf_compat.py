@@ -141,6 +141,12 @@ class ClusterResolver:
         task_id: this task's index within its task type (otherwise the process
             index).
         rpc_layer: always ``"grpc"`` (JAX's coordination service).
+
+    Examples:
+        >>> from strategies.tf_compat import ClusterResolver
+        >>> r = ClusterResolver("worker", 1, {"chief": ["c:7"], "worker": ["w0:7", "w1:7"]})
+        >>> r.task_type, r.task_id, r.cluster_spec()["worker"]
+        ('worker', 1, ['w0:7', 'w1:7'])
     """
 
     rpc_layer = "grpc"
@@ -178,6 +184,11 @@ def cluster_resolver(environ: Mapping[str, str] | None = None) -> ClusterResolve
     tf.distribute's ``MirroredStrategy.cluster_resolver`` is ``None`` too; a
     multi-process job (``dtensor.initialize()`` called with more than one
     process) gets one for any preset.
+
+    Examples:
+        >>> import strategies
+        >>> strategies.MirroredStrategy().cluster_resolver is None  # one process
+        True
     """
     env = os.environ if environ is None else environ
     count = jax.process_count()
