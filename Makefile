@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint demo bench docs docs-notebooks clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,5 +26,14 @@ demo: install
 bench: install
 	$(PY) -m benchmarks.run_all
 
+# The documentation site, warnings as errors: docs/_build/html/index.html. No network.
+docs: install
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
+# Re-execute the notebooks into docs/notebooks/ (with outputs) after notebooks/ change.
+docs-notebooks: install
+	$(PY) docs/execute_notebooks.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info docs/_build

@@ -40,6 +40,7 @@ from dtensor.runtime.process import initialize as initialize
 from dtensor.runtime.process import num_clients as num_clients
 from dtensor.runtime.process import shutdown as shutdown
 from dtensor.tpu.topology import tpu_topology as tpu_topology
+from dtensor.version import __version__ as __version__
 
 __all__ = [
     "ClusterConfigError",

@@ -430,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_accelerator() -> bool:
-    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or Path("/dev/nvidia0").exists() or Path("/dev/accel0").exists()
+    # TPU VMs expose /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e, v5p, v6e); without one, JAX_PLATFORMS=cpu
+    # keeps libtpu from probing (and printing its TPU_WORKER_HOSTNAMES error) on a machine with no TPU.
+    tpu = any(Path("/dev").glob("accel[0-9]*")) or any(Path("/dev/vfio").glob("[0-9]*"))
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or Path("/dev/nvidia0").exists() or tpu
 
 
 if __name__ == "__main__":

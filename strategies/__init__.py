@@ -41,6 +41,7 @@ from strategies.values import InputContext as InputContext
 from strategies.values import PerReplica as PerReplica
 from strategies.values import ReplicaContext as ReplicaContext
 from strategies.values import ValueContext as ValueContext
+from strategies.version import __version__ as __version__
 
 __all__ = [
     "AllReduceCrossDeviceOps",

@@ -25,7 +25,7 @@ import dtensor
 from dtensor import Layout, Mesh, ReduceOp
 from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
-from strategies import context, creation
+from strategies import context, creation, tf_compat
 from strategies.datasets import CheckedShares
 from strategies.step.boundary import explicit_axes_error
 from strategies.step.compiler import StepCompiler
@@ -76,6 +76,33 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """How many data-parallel replicas a global batch is split over."""
         return self.mesh.axis_size(self.batch_axes)
+
+    # ------------------------------------------------- tf.distribute surface
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's replicas' values as a tuple; a plain value gives ``(value,)``.
+
+        See :func:`strategies.tf_compat.local_results`.
+
+        Examples:
+            >>> import strategies, numpy as np
+            >>> s = strategies.MirroredStrategy()
+            >>> out = s.run(lambda x: x.sum(), args=(np.ones((16, 2), "f4"),), per_replica=True)
+            >>> [float(v) for v in s.experimental_local_results(out)]
+            [4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
+        """
+        return tf_compat.local_results(value)
+
+    @functools.cached_property
+    def extended(self) -> tf_compat.StrategyExtended:
+        """tf.distribute's ``strategy.extended``: devices, checkpoint/summary roles,
+        ``variable_created_in_scope`` (see :class:`strategies.tf_compat.StrategyExtended`)."""
+        return tf_compat.StrategyExtended(self)
+
+    @property
+    def cluster_resolver(self) -> tf_compat.ClusterResolver | None:
+        """This process's place in a multi-process job, or ``None`` for one process
+        (see :class:`strategies.tf_compat.ClusterResolver`)."""
+        return tf_compat.cluster_resolver()
 
     # --------------------------------------------------------------- policies
     def variable_layout(self, path: str, leaf: Any) -> Layout:
