@@ -12,7 +12,7 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout, LayoutMap
-from dtensor.core.tree import leaf_value
+from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
 from strategies.sharding import nbytes, shard_largest_dim
 
@@ -191,7 +191,7 @@ class HybridStrategy(Strategy):
         )
         rule_leaves = jax.tree.leaves(rules, is_leaf=lambda v: v is None or isinstance(v, str))
         for (path, leaf), rule in zip(leaves, rule_leaves, strict=False):
-            p = dtensor.core.tree.path_str(path)
+            p = path_str(path)
             if not rule or "opt_state" in p.split("/"):
                 continue
             value = leaf_value(leaf)

@@ -110,7 +110,9 @@ class StepCompiler:
     def _forget(self, dead_ref: Any) -> None:
         """A step function died: drop its compiled steps."""
         self.compiled.discard_where(
-            lambda k: any(r is dead_ref for r in getattr(k[0], "_refs", ()))
+            lambda k: (
+                isinstance(k, tuple) and isinstance(k[0], FunctionKey) and k[0].holds(dead_ref)
+            )
         )
 
     def _node_state(self, nodes: list[Any], cached: GraphCache | None) -> tuple[Any, Any, Any]:
