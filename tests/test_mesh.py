@@ -274,3 +274,19 @@ def test_cpu_devices_keep_their_order_without_warning(recwarn):
     arr = arrange_devices((4, 2), devices)
     assert [d.id for d in arr.flat] == [d.id for d in devices]
     assert not recwarn.list
+
+
+def test_current_mesh_inside_jit_is_the_dtensor_block_only():
+    mesh = create_mesh([("x", 8)])
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append(current_mesh())
+        return x + 1
+
+    with mesh:
+        f(np.zeros(8, np.float32))
+    with jax.set_mesh(mesh.jax_mesh):  # JAX shows only the abstract mesh inside a trace
+        f(np.zeros(4, np.float32))
+    assert seen == [mesh, None]
