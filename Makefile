@@ -19,6 +19,7 @@ lint: install
 	$(VENV)/bin/ruff check dtensor strategies tests examples benchmarks
 	$(VENV)/bin/ruff format --check dtensor strategies
 	$(VENV)/bin/pyright
+	$(VENV)/bin/lint-imports
 
 demo: install
 	$(PY) examples/train.py $(ARGS)

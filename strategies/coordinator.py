@@ -67,11 +67,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import numpy as np
-from flax import nnx
 
-from dtensor.core.tree import is_node, path_str
+from dtensor.core.tree import is_node
 from strategies import coordinator_step as cs
+from strategies.coordinator_params import ParameterGroup
 from strategies.coordinator_values import (
     PerWorkerDataset,
     PerWorkerValues,
@@ -160,10 +159,7 @@ class ClusterCoordinator:
         self._workers = strategy.worker_meshes(num_workers)
         _check_addressable(strategy.mesh.device_list)
         self.max_retries = max_retries
-        self._replicated_ps = jax.sharding.NamedSharding(
-            self._ps_mesh.jax_mesh, jax.sharding.PartitionSpec()
-        )
-        self._lock = threading.Lock()  # the parameter group: snapshots and commits
+        self._params = ParameterGroup(strategy, self._ps_mesh)
         self._cond = threading.Condition()  # the queue and the bookkeeping below
         self._queue: collections.deque[_Closure] = collections.deque()
         self._in_flight = 0
@@ -171,12 +167,9 @@ class ClusterCoordinator:
         self._available = [True] * len(self._workers)
         self._closed = False
         self._ids = itertools.count()
-        self._version = 0
-        self._staleness: list[int] = []
         self._per_worker = [0] * len(self._workers)
         self._retries = 0
         self._steps: list[dict[Any, cs.WorkerStep]] = [{} for _ in self._workers]
-        self._applies: dict[Any, Any] = {}
         self._threads = [
             threading.Thread(target=self._work, args=(w,), name=f"ps-worker-{w}", daemon=True)
             for w in range(len(self._workers))
@@ -218,7 +211,7 @@ class ClusterCoordinator:
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         for node in jax.tree.leaves((args, kwargs), is_leaf=is_node):
             if is_node(node):
-                self._place(node)
+                self._params.place(node)
         closure = _Closure(next(self._ids), fn, args, kwargs)
         with self._cond:
             self._queue.append(closure)
@@ -295,12 +288,10 @@ class ClusterCoordinator:
 
     def stats(self) -> CoordinatorStats:
         """What has run so far (see :class:`CoordinatorStats`)."""
+        staleness = self._params.staleness()
         with self._cond:
             return CoordinatorStats(
-                sum(self._per_worker),
-                tuple(self._per_worker),
-                tuple(self._staleness),
-                self._retries,
+                sum(self._per_worker), tuple(self._per_worker), staleness, self._retries
             )
 
     def close(self) -> None:
@@ -336,29 +327,6 @@ class ClusterCoordinator:
             error, self._error = self._error, None
         if error is not None:
             raise error
-
-    def _place(self, node: Any) -> None:
-        """Lay a node's variables out on the parameter group (once, or again if moved)."""
-        with self._lock:
-            state = nnx.state(node)
-
-            def place(path: Any, var: Any) -> Any:
-                value = var.get_value() if isinstance(var, nnx.Variable) else var
-                if not isinstance(value, jax.Array | np.ndarray | np.generic):
-                    return var
-                if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-                    sharding = self._replicated_ps
-                else:
-                    sharding = self.strategy.parameter_layout(path_str(path), value).sharding
-                if isinstance(value, jax.Array) and value.sharding == sharding:
-                    return var
-                moved = jax.device_put(value, sharding)
-                return var.replace(moved) if isinstance(var, nnx.Variable) else moved
-
-            placed = jax.tree_util.tree_map_with_path(
-                place, state, is_leaf=lambda v: isinstance(v, nnx.Variable)
-            )
-            nnx.update(node, placed)
 
     def _work(self, w: int) -> None:
         while True:
@@ -411,78 +379,22 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
     def _run(self, w: int, closure: _Closure) -> Any:
-        mesh = self._workers[w]
         args, kwargs = _resolve((closure.args, closure.kwargs), w)
-        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
-        modules: list[Any] = []
-        optimizers: list[Any] = []
-        kinds: list[Any] = []
-        arrays: list[Any] = []
-        for v in flat:
-            if isinstance(v, nnx.Optimizer):
-                kinds.append(_index_of(optimizers, v, cs.OPTIMIZER))
-            elif is_node(v):
-                kinds.append(_index_of(modules, v, cs.MODULE))
-            elif isinstance(v, jax.Array | np.ndarray | np.generic):
-                kinds.append(cs.ARRAY)
-                arrays.append(jax.device_put(v, _batch_sharding(mesh, np.ndim(v), np.shape(v))))
-            else:
-                kinds.append(cs.Static(v))
-        replicated = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec())
-        mod_graphdef, worker_state, mod_leaves = None, None, []
-        with self._lock:
-            read_version = self._version
-            if modules:
-                mod_graphdef, mod_state = nnx.split(tuple(modules))
-                mod_leaves = jax.tree.leaves(mod_state)
-                worker_state = jax.device_put(
-                    mod_state, replicated
-                )  # queued before any later commit
-        key = (closure.fn, treedef, mod_graphdef, tuple(kinds), cs.array_signature(arrays))
-        step = self._steps[w].get(key)
-        if step is None:
-            step = cs.compile_worker_step(
-                closure.fn, treedef, kinds, mod_graphdef, len(optimizers), worker_state, arrays
-            )
-            self._steps[w][key] = step
-        deltas, updates, out = step.compiled(worker_state, arrays)
-        delta_sh, update_sh = cs.targets_shardings(step, mod_leaves, self._replicated_ps)
-        deltas = jax.device_put(deltas, delta_sh)
-        updates = [jax.device_put(u, sh) for u, sh in zip(updates, update_sh, strict=True)]
-        jax.block_until_ready((out, deltas, updates))  # the worker's part is done (or failed) here
-        if not (step.deltas or step.updates):
-            return out
-        with self._lock:
-            if not self._available[w]:
-                raise WorkerFailure(
-                    f"worker {w} was marked unavailable before closure {closure.id} committed"
-                )
-            nodes = (*modules, *optimizers)
-            ps_graphdef, ps_state = nnx.split(nodes)
-            sig = tuple(x.sharding for x in jax.tree.leaves(ps_state))
-            akey = (ps_graphdef, len(modules), step.deltas, step.updates, sig)
-            apply = self._applies.get(akey)
-            if apply is None:
-                apply = cs.compile_apply(ps_graphdef, len(modules), ps_state, step, deltas, updates)
-                self._applies[akey] = apply
-            nnx.update(nodes, apply(ps_state, deltas, updates))
-            with self._cond:
-                self._staleness.append(self._version - read_version)
-            self._version += 1
-        return out
+        return self._params.run(
+            closure.fn,
+            args,
+            kwargs,
+            worker=w,
+            mesh=self._workers[w],
+            steps=self._steps[w],
+            committable=lambda: self._available[w],
+            what=f"closure {closure.id}",
+        )
 
 
 # ------------------------------------------------------------------- helpers
 def _is_remote(x: Any) -> bool:
     return isinstance(x, RemoteValue)
-
-
-def _index_of(items: list[Any], v: Any, what: str) -> tuple[str, int]:
-    for i, x in enumerate(items):
-        if x is v:
-            return (what, i)
-    items.append(v)
-    return (what, len(items) - 1)
 
 
 def _resolve(tree: Any, worker: int) -> Any:
@@ -496,12 +408,6 @@ def _resolve(tree: Any, worker: int) -> Any:
     return jax.tree.map(
         one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or is_node(v)
     )
-
-
-def _batch_sharding(mesh: Any, rank: int, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
-    split = rank > 0 and shape[0] % mesh.size == 0
-    spec = jax.sharding.PartitionSpec("worker") if split else jax.sharding.PartitionSpec()
-    return jax.sharding.NamedSharding(mesh.jax_mesh, spec)
 
 
 def _is_worker_failure(error: BaseException) -> bool:

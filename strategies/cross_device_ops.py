@@ -54,23 +54,19 @@ Options that cannot be honoured raise a :class:`CrossDeviceOpsError` naming why
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
-import os
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+
+from strategies import replica_step
+from strategies.replica_step import CrossDeviceOpsError as CrossDeviceOpsError
+from strategies.watchdog import StepWatchdog as StepWatchdog
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -82,11 +78,10 @@ __all__ = [
     "NcclAllReduce",
     "ReductionToOneDevice",
     "RingAllReduce",
+    "StepWatchdog",
+    "packs_for",
+    "resolve",
 ]
-
-
-class CrossDeviceOpsError(ValueError):
-    """A cross-device ops choice that cannot be honoured here."""
 
 
 class CommunicationImplementation(enum.Enum):
@@ -246,76 +241,16 @@ class CrossDeviceOps:
         """The sum of ``buf`` over the replicas (every replica gets it)."""
         raise NotImplementedError
 
-    # -- compiling a step ------------------------------------------------------
+    # -- compiling a step (see strategies.replica_step) --------------------------
     def wrap_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with the gradient reduction installed in front of its optimizers."""
-        ops = self
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            axes = _context.axes
-            optimizers = [
-                v
-                for v in jax.tree.leaves(
-                    (args, kwargs), is_leaf=lambda v: isinstance(v, nnx.Optimizer)
-                )
-                if isinstance(v, nnx.Optimizer)
-            ]
-            if not optimizers:
-                raise CrossDeviceOpsError(
-                    f"cross_device_ops={ops!r} reduces gradients where an nnx.Optimizer applies "
-                    f"them, but {getattr(fn, '__name__', 'the step')} got none among its arguments "
-                    "(a functional (params, opt_state, batch) step reduces nothing the strategy "
-                    "can see). Pass the nnx.Optimizer to run(), or use the default cross_device_ops."
-                )
-            for opt in optimizers:
-                opt.tx = _reducing(
-                    opt.tx, lambda g: ops.all_mean(g, axes) if axes is not None else g
-                )
-            return fn(*args, **kwargs)
-
-        return step
+        return replica_step.wrap_step(self, fn)
 
     def compile_step(
         self, strategy: Any, call: Callable[..., Any], arrays: list[Any], *, has_state: bool
     ) -> Any:
         """``call(state, arrays)`` once per replica, as one ``jax.jit`` (the strategy's hook)."""
-        axes = tuple(strategy.batch_axes)
-        spec_axes = axes[0] if len(axes) == 1 else axes
-        batch_spec = P(spec_axes)
-        leaf_specs = [batch_spec if np.ndim(v) > 0 else P() for v in arrays]
-        n = strategy.mesh.axis_size(axes)
-        mesh = strategy.mesh.jax_mesh
-        ops = self
-
-        def local(v: Any) -> jax.ShapeDtypeStruct:
-            shape = tuple(np.shape(v))
-            return jax.ShapeDtypeStruct((shape[0] // n, *shape[1:]) if shape else shape, v.dtype)
-
-        def pure(state: Any, leaves: list[Any]) -> Any:
-            with _bound(None):  # learn the outputs' structure (no axes bound here)
-                out_shape = jax.eval_shape(call, state, [local(v) for v in leaves])[1]
-            out_specs = jax.tree.map(lambda o: P() if o.ndim == 0 else batch_spec, out_shape)
-
-            def body(state: Any, leaves: list[Any]) -> Any:
-                with _bound(axes, strategy.mesh):
-                    new_state, out = call(state, leaves)
-                    scalars = jax.tree.map(lambda o: o if o.ndim == 0 else None, out)
-                    means = ops.all_mean(scalars, axes)
-                out = jax.tree.map(
-                    lambda o, m: o if o.ndim else m, out, means, is_leaf=lambda v: v is None
-                )
-                return new_state, out
-
-            state_specs = jax.tree.map(lambda _: P(), state)
-            return jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(state_specs, leaf_specs),
-                out_specs=(state_specs, out_specs),
-                check_vma=False,
-            )(state, leaves)
-
-        return jax.jit(pure, donate_argnums=(0,) if has_state else ())
+        return replica_step.compile_step(self, strategy, call, arrays, has_state=has_state)
 
     def __repr__(self) -> str:
         fields = [
@@ -398,7 +333,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         )
 
     def _reduce(self, buf: Any, axes: tuple[str, ...]) -> Any:
-        mesh = _context.mesh
+        mesh = replica_step.bound_mesh()
         n = jax.lax.axis_size(axes)
         root = self._root(mesh, axes) if mesh is not None else 0
         total = buf
@@ -469,32 +404,6 @@ class RingAllReduce(CrossDeviceOps):
         return chunks.reshape(-1)[: buf.size]
 
 
-# ----------------------------------------------------------------- plumbing
-class _Context(threading.local):
-    axes: tuple[str, ...] | None = None
-    mesh: Any = None
-
-
-_context = _Context()
-
-
-@contextlib.contextmanager
-def _bound(axes: tuple[str, ...] | None, mesh: Any = None) -> Iterator[None]:
-    prev = (_context.axes, _context.mesh)
-    _context.axes, _context.mesh = axes, mesh
-    try:
-        yield
-    finally:
-        _context.axes, _context.mesh = prev
-
-
-def _reducing(tx: Any, reduce: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        return tx.update(reduce(updates), state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(tx.init, update)
-
-
 def resolve(
     ops: Any, mesh: Any, batch_axes: tuple[str, ...], *, what: str
 ) -> CrossDeviceOps | None:
@@ -509,72 +418,6 @@ def resolve(
         )
     ops.check(mesh, batch_axes)
     return None if ops.is_default else ops
-
-
-class StepWatchdog:
-    """Aborts the process when a step's results are not ready ``timeout`` seconds after it could start.
-
-    A collective whose peer is lost never returns and XLA cannot cancel it;
-    this turns the hang into an error message and exit code
-    :data:`EXIT_TIMEOUT` (``on_timeout`` replaces the exit, for tests).
-    """
-
-    EXIT_TIMEOUT = 75
-
-    def __init__(
-        self, timeout: float, *, what: str, on_timeout: Callable[[str], None] | None = None
-    ) -> None:
-        self.timeout = float(timeout)
-        self.what = what
-        self.on_timeout = on_timeout or _abort
-        self._cond = threading.Condition()
-        self._pending: list[tuple[int, Any]] = []
-        self._started: float | None = None
-        self._step = 0
-        self._fired = False
-        threading.Thread(target=self._wait, name="dtensor-step-wait", daemon=True).start()
-        threading.Thread(target=self._watch, name="dtensor-step-watch", daemon=True).start()
-
-    def watch(self, leaf: Any) -> None:
-        """Track one step by one of its output arrays."""
-        with self._cond:
-            self._step += 1
-            self._pending.append((self._step, leaf))
-            self._cond.notify_all()
-
-    def _wait(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending:
-                    self._cond.wait()
-                step, leaf = self._pending[0]
-                if self._started is None:
-                    self._started = time.monotonic()
-            with contextlib.suppress(Exception):
-                leaf.block_until_ready()
-            with self._cond:
-                self._pending.pop(0)
-                self._started = time.monotonic() if self._pending else None
-
-    def _watch(self) -> None:
-        period = max(0.05, min(1.0, self.timeout / 4))
-        while not self._fired:
-            time.sleep(period)
-            with self._cond:
-                started, pending = self._started, list(self._pending)
-            if started is not None and pending and time.monotonic() - started > self.timeout:
-                self._fired = True
-                self.on_timeout(
-                    f"{self.what}: step {pending[0][0]} did not finish within timeout_seconds="
-                    f"{self.timeout:g} (CommunicationOptions): its collectives are waiting for a "
-                    "process that is lost, stuck or on another code path. Check the other "
-                    "processes' logs; raise timeout_seconds if steps are legitimately this slow."
-                )
-
-
-def _abort(message: str) -> None:
-    print(f"[dtensor] {message}", file=sys.stderr, flush=True)
-    os._exit(StepWatchdog.EXIT_TIMEOUT)
 
 
 def packs_for(ops: CrossDeviceOps, shapes: Sequence[tuple[int, ...]]) -> list[int]:

@@ -31,6 +31,7 @@ import jax
 
 from dtensor import Mesh
 from dtensor.checkpoint.checkpointer import Checkpointer
+from dtensor.compat import preemption_sync_manager
 from dtensor.core.tree import is_node
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "RESTARTABLE_EXIT_CODE"]
@@ -72,11 +73,7 @@ class TerminationConfig:
 
 def _preemption_service() -> bool:
     """Whether JAX's coordination service spreads preemption notices (multi-process runs)."""
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover - layout of jax's internals
-        return False
-    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
+    return preemption_sync_manager() is not None
 
 
 class PreemptionCheckpointHandler:

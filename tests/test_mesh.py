@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 import dtensor
 from dtensor import Mesh, MeshError, create_mesh, current_mesh
+from dtensor.core.mesh import arrange_devices
 
 
 def test_create_mesh_shape_names_size_devices():
@@ -198,3 +202,91 @@ def test_axis_size_unknown_axis_names_it():
 def test_public_names_exported():
     for name in ("Mesh", "create_mesh", "current_mesh", "MeshError"):
         assert name in dtensor.__all__
+
+
+# ------------------------------------------------- mixed axis types, jax.set_mesh, arrangement
+def test_mixed_auto_and_explicit_axes_are_rejected_naming_each_axis():
+    devices = np.asarray(jax.devices()).reshape(4, 2)
+    mixed = jax.sharding.Mesh(
+        devices, ("batch", "model"), axis_types=(AxisType.Auto, AxisType.Explicit)
+    )
+    with pytest.raises(MeshError, match=r"mix Auto and Explicit.*batch=Auto, model=Explicit"):
+        Mesh.from_jax(mixed)
+
+
+def test_current_mesh_honours_jax_set_mesh():
+    mesh = create_mesh([("x", 4), ("y", 2)])
+    other = create_mesh([("z", 8)])
+    assert current_mesh() is None
+    with jax.set_mesh(mesh.jax_mesh):
+        assert current_mesh() == mesh
+        with other:  # the innermost wins
+            assert current_mesh() == other
+        assert current_mesh() == mesh
+    with other, jax.set_mesh(mesh.jax_mesh):
+        assert current_mesh() == mesh
+    assert current_mesh() is None
+
+
+def test_current_mesh_rejects_a_jax_mesh_with_mixed_axis_types():
+    devices = np.asarray(jax.devices()).reshape(4, 2)
+    mixed = jax.sharding.Mesh(devices, ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    with jax.set_mesh(mixed), pytest.raises(MeshError, match="mix Auto and Explicit"):
+        current_mesh()
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTpu:
+    """A TPU chip as mesh_utils sees it (as JAX's own mesh_utils tests mock them)."""
+
+    id: int
+    coords: tuple[int, int, int]
+    core_on_chip: int = 0
+    process_index: int = 0
+    slice_index: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v4"
+
+
+def _v4_cube() -> list[FakeTpu]:
+    """A 2x2x2 v4 slice, listed in an order unrelated to the chip grid."""
+    coords = [(x, y, z) for z in range(2) for y in range(2) for x in range(2)]
+    return [FakeTpu(id=i, coords=c) for i, c in enumerate(reversed(coords))]
+
+
+def test_tpu_devices_are_arranged_by_topology_without_warning(recwarn):
+    devices = _v4_cube()
+    arr = arrange_devices((2, 4), devices)
+    expected = mesh_utils.create_device_mesh((2, 4), devices)
+    assert [d.id for d in arr.flat] == [d.id for d in expected.flat]
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_tpu_arrangement_failure_warns_with_the_order_used_instead():
+    broken = [dataclasses.replace(d, device_kind="TPU v99") for d in _v4_cube()][:6]
+    with pytest.warns(UserWarning, match=r"cannot lay mesh shape \(2, 3\).*order given"):
+        arr = arrange_devices((2, 3), broken)
+    assert [d.id for d in arr.flat] == [d.id for d in broken]
+
+
+def test_cpu_devices_keep_their_order_without_warning(recwarn):
+    devices = list(reversed(jax.devices()))
+    arr = arrange_devices((4, 2), devices)
+    assert [d.id for d in arr.flat] == [d.id for d in devices]
+    assert not recwarn.list
+
+
+def test_current_mesh_inside_jit_is_the_dtensor_block_only():
+    mesh = create_mesh([("x", 8)])
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append(current_mesh())
+        return x + 1
+
+    with mesh:
+        f(np.zeros(8, np.float32))
+    with jax.set_mesh(mesh.jax_mesh):  # JAX shows only the abstract mesh inside a trace
+        f(np.zeros(4, np.float32))
+    assert seen == [mesh, None]

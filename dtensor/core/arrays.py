@@ -10,7 +10,23 @@ import jax.core
 import numpy as np
 
 from dtensor.core.layout import Layout, LayoutError
-from dtensor.core.mesh import Mesh, current_mesh
+from dtensor.core.partial import (
+    PartialArray,
+    assemble,
+    blocks_of,
+    call_per_device,
+    partial_layout_of,
+    relayout_partial,
+    stacked_layout,
+)
+from dtensor.core.placement import (
+    array_layout,
+    copy_to_mesh,
+    is_traced,
+    mesh_of,
+    relayout_plain,
+    shape_of,
+)
 
 __all__ = [
     "relayout",
@@ -21,16 +37,8 @@ __all__ = [
     "call_with_layout",
     "copy_to_mesh",
     "is_traced",
+    "mesh_of",
 ]
-
-
-def is_traced(x: Any) -> bool:
-    """Whether ``x`` is an abstract value inside a JAX trace (``jax.jit`` etc.)."""
-    return isinstance(x, jax.core.Tracer)
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(np.shape(x))
 
 
 def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
@@ -58,50 +66,9 @@ def relayout(x: Any, layout: Layout, *, name: str = "array") -> Any:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"relayout of {name} needs a dtensor.Layout, got {type(layout).__name__}.")
-    from dtensor.core.partial import partial_layout_of, relayout_partial
-
     if layout.is_partial or partial_layout_of(x, layout.mesh) is not None:
         return relayout_partial(x, layout, name=name)
-    layout.check_shape(_shape(x), name)
-    if is_traced(x):
-        if layout.mesh.axis_types == "explicit":
-            return jax.sharding.reshard(x, layout.sharding)
-        return jax.lax.with_sharding_constraint(x, layout.sharding)
-    if not isinstance(x, jax.Array):
-        return copy_to_mesh(x, layout, name=name)
-    if x.is_fully_addressable and layout.mesh.is_multi_process is False:
-        return jax.device_put(x, layout.sharding)
-    return _reshard_jit(layout.sharding)(x)
-
-
-_RESHARD_CACHE: dict[Any, Callable[[Any], Any]] = {}
-
-
-def _reshard_jit(sharding: jax.sharding.Sharding) -> Callable[[Any], Any]:
-    fn = _RESHARD_CACHE.get(sharding)
-    if fn is None:
-        fn = _RESHARD_CACHE[sharding] = jax.jit(lambda a: a, out_shardings=sharding)
-    return fn
-
-
-def copy_to_mesh(x: Any, layout: Layout, *, name: str = "array") -> jax.Array:
-    """Copy host or single-device data onto the mesh in ``layout``.
-
-    In a multi-process run each process passes the same full value and only
-    its own devices' blocks are transferred.
-
-    Examples:
-        >>> import dtensor, numpy as np
-        >>> mesh = dtensor.create_mesh([("x", 8)])
-        >>> y = dtensor.copy_to_mesh(np.ones((8, 3)), dtensor.Layout(["x", None], mesh))
-        >>> y.shape, len(y.addressable_shards), y.addressable_shards[0].data.shape
-        ((8, 3), 8, (1, 3))
-    """
-    layout.check_shape(_shape(x), name)
-    if isinstance(x, jax.Array) and x.is_fully_addressable and not layout.mesh.is_multi_process:
-        return jax.device_put(x, layout.sharding)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, layout.sharding, lambda idx: host[idx])
+    return relayout_plain(x, layout, name=name)
 
 
 def fetch_layout(x: Any) -> Layout:
@@ -114,37 +81,9 @@ def fetch_layout(x: Any) -> Layout:
         >>> dtensor.fetch_layout(y)
         Layout(['x'], mesh=Mesh(x=8))
     """
-    from dtensor.core.partial import PartialArray
-
     if isinstance(x, PartialArray):
         return x.layout
-    if is_traced(x):
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            if isinstance(sharding.mesh, jax.sharding.Mesh):
-                return Layout.from_sharding(sharding, rank=x.ndim)
-            explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
-            mesh = current_mesh()
-            if explicit and mesh is not None and mesh.jax_mesh.abstract_mesh == sharding.mesh:
-                concrete = jax.sharding.NamedSharding(mesh.jax_mesh, sharding.spec)
-                return Layout.from_sharding(concrete, rank=x.ndim)
-            if explicit:
-                raise LayoutError(
-                    f"fetch_layout got a traced value inside jax.jit whose type names the abstract "
-                    f"mesh {sharding.mesh} (spec {sharding.spec}), but that mesh is not the current "
-                    "one. Run the jitted function inside `with mesh:` for that dtensor.Mesh."
-                )
-        raise LayoutError(
-            "fetch_layout got a traced value inside jax.jit; on Auto mesh axes its layout is "
-            "decided by the compiler. Call fetch_layout on the jit's result, or use a mesh with "
-            "axis_types='explicit' and run inside `with mesh:`."
-        )
-    if not isinstance(x, jax.Array):
-        raise TypeError(
-            f"fetch_layout needs a jax.Array, got {type(x).__name__}. Put host data on a mesh "
-            "with dtensor.copy_to_mesh first."
-        )
-    return Layout.from_sharding(x.sharding, rank=x.ndim)
+    return array_layout(x)
 
 
 def check_layout(x: Any, layout: Layout, *, name: str = "array") -> None:
@@ -156,7 +95,7 @@ def check_layout(x: Any, layout: Layout, *, name: str = "array") -> None:
         >>> y = dtensor.copy_to_mesh(jnp.zeros((8,)), dtensor.Layout(["x"], mesh))
         >>> dtensor.check_layout(y, dtensor.Layout(["x"], mesh))
     """
-    layout.check_shape(_shape(x), name)
+    layout.check_shape(shape_of(x), name)
     actual = fetch_layout(x)
     if actual == layout:
         return
@@ -188,7 +127,7 @@ def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.A
             f"pack of {name} got {len(shards)} blocks, but {layout!r} has {len(devices)} devices "
             "in this process. Give one block per local device, in mesh order."
         )
-    shapes = {_shape(s) for s in shards}
+    shapes = {shape_of(s) for s in shards}
     if len(shapes) != 1:
         raise LayoutError(
             f"pack of {name} got blocks of different shapes {sorted(shapes)}; every device's "
@@ -197,8 +136,6 @@ def pack(shards: Sequence[Any], layout: Layout, *, name: str = "array") -> jax.A
     (local,) = shapes
     global_shape = layout.global_shape(local)
     if layout.is_partial:  # blocks differ along the partial axes (see dtensor.partial)
-        from dtensor.core.partial import assemble, stacked_layout
-
         n = layout.mesh.axis_size(layout.partial_axes)
         stacked = [np.expand_dims(np.asarray(s), 0) for s in shards]
         _check_copies_equal(stacked, devices, stacked_layout(layout), (n, *global_shape), name)
@@ -246,8 +183,6 @@ def unpack(x: jax.Array) -> list[jax.Array]:
         >>> [float(b[0]) for b in dtensor.unpack(x)]
         [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
     """
-    from dtensor.core.partial import blocks_of, partial_layout_of
-
     if partial_layout_of(x) is not None:
         return blocks_of(x)
     layout = fetch_layout(x)
@@ -273,8 +208,6 @@ def call_with_layout(
         True
     """
     if isinstance(layout, Layout) and layout.is_partial:
-        from dtensor.core.partial import call_per_device
-
         return call_per_device(fn, layout, args, kwargs)
     flat, argdef = jax.tree.flatten((args, kwargs))
     dyn = [i for i, v in enumerate(flat) if isinstance(v, jax.Array | np.ndarray)]
@@ -303,14 +236,3 @@ def call_with_layout(
         lay.check_shape(leaf.shape, f"output {i} of {name}")
     shardings = jax.tree.unflatten(treedef, [lay.sharding for lay in layouts])
     return jax.jit(bound, out_shardings=shardings)(*arrays)
-
-
-def mesh_of(x: Any) -> Mesh | None:
-    """The mesh of a laid-out array, or ``None`` for other values."""
-    if isinstance(x, jax.Array) and not is_traced(x):
-        sharding = x.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-            sharding.mesh, jax.sharding.Mesh
-        ):
-            return Mesh(sharding.mesh)
-    return None

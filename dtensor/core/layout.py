@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dtensor.core.mesh import Mesh, create_mesh
+from dtensor.core.picture import blocks_table
 from dtensor.core.reduce_op import ReduceOp
 
 __all__ = ["UNSHARDED", "Layout", "LayoutError", "DimSpec"]
@@ -435,9 +436,14 @@ class Layout:
 
         See :func:`dtensor.visualize`.
         """
-        from dtensor.core.visualize import visualize
-
-        return visualize(self, shape=shape, show=show)
+        shape = (
+            tuple(shape)
+            if shape is not None
+            else tuple(self.num_shards(d) for d in range(self.rank))
+        )
+        self.check_shape(shape)
+        index_map = self.sharding.devices_indices_map(shape)
+        return blocks_table(f"{self!r}  shape={shape}", index_map, shape, show=show)
 
     def __repr__(self) -> str:
         items = ", ".join("UNSHARDED" if s == UNSHARDED else repr(s) for s in self.sharding_specs)

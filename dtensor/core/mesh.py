@@ -12,10 +12,10 @@ cross-entropy). Pass ``axis_types="explicit"`` for models whose layers carry
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-__all__ = ["Mesh", "create_mesh", "current_mesh", "MeshError"]
+__all__ = ["Mesh", "MeshError", "arrange_devices", "create_mesh", "current_mesh"]
 
 AxisTypes = Literal["auto", "explicit"]
 
@@ -65,6 +65,18 @@ class Mesh:
             raise TypeError(
                 f"Mesh wraps a jax.sharding.Mesh, got {type(self.jax_mesh).__name__}. "
                 "Build meshes with dtensor.create_mesh([('batch', 4), ...])."
+            )
+        types = tuple(self.jax_mesh.axis_types)
+        if AxisType.Auto in types and AxisType.Explicit in types:
+            axes = ", ".join(
+                f"{n}={t.name}" for n, t in zip(self.jax_mesh.axis_names, types, strict=True)
+            )
+            raise MeshError(
+                f"Mesh got a jax.sharding.Mesh whose axes mix Auto and Explicit types ({axes}); "
+                "dtensor (like Flax's sharding rules) needs all axes of one type, because a "
+                "layout's meaning depends on it. Build the jax mesh with one type for every axis "
+                "(axis_types=(AxisType.Auto,) * ndim), or use dtensor.create_mesh(..., "
+                "axis_types='auto' or 'explicit')."
             )
 
     # ------------------------------------------------------------------ views
@@ -175,17 +187,43 @@ def _cms() -> list[Any]:
 
 
 def current_mesh() -> Mesh | None:
-    """The mesh of the innermost ``with mesh:`` block, or ``None``.
+    """The current mesh: the innermost ``with mesh:`` block or ``jax.set_mesh(...)``, or ``None``.
+
+    A ``jax.sharding.Mesh`` the user set with ``jax.set_mesh`` (outside
+    ``jax.jit``) counts as much as a dtensor ``with mesh:``; the innermost of
+    the two wins. Inside ``jax.jit`` only dtensor's own blocks are seen (JAX
+    exposes just the abstract mesh there).
+
+    Raises:
+        MeshError: the mesh set with ``jax.set_mesh`` mixes Auto and Explicit axes.
 
     Examples:
-        >>> import dtensor
+        >>> import dtensor, jax
         >>> mesh = dtensor.create_mesh([("x", 8)])
         >>> with mesh:
         ...     dtensor.current_mesh() == mesh
         True
+        >>> with jax.set_mesh(mesh.jax_mesh):
+        ...     dtensor.current_mesh() == mesh
+        True
     """
     stack = _stack()
-    return stack[-1] if stack else None
+    ours = stack[-1] if stack else None
+    theirs = _jax_concrete_mesh()
+    if theirs is None or (ours is not None and ours.jax_mesh == theirs):
+        return ours
+    return Mesh(theirs)
+
+
+def _jax_concrete_mesh() -> jax.sharding.Mesh | None:
+    """The mesh of ``jax.set_mesh`` (public ``jax.sharding.get_mesh``), outside a trace."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside jax.jit JAX offers only the abstract mesh
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+        return None
+    return mesh
 
 
 def _axis_type(t: AxisTypes | AxisType) -> AxisType:
@@ -291,18 +329,49 @@ def create_mesh(
             "with jax.config.update('jax_num_cpu_devices', N) before JAX starts."
         )
     device_list = device_list[:need]
-    arr = _arrange(shape, device_list, topology_aware=not explicit_devices)
+    full = not explicit_devices and len(device_list) == len(jax.devices())
+    arr = arrange_devices(shape, device_list, topology_aware=full)
     types = (_axis_type(axis_types),) * len(dims)
     return Mesh(jax.sharding.Mesh(arr, tuple(n for n, _ in dims), axis_types=types))
 
 
-def _arrange(shape: tuple[int, ...], devices: list[Any], *, topology_aware: bool) -> np.ndarray:
-    """Devices as an array of ``shape``; topology-aware for a full TPU slice."""
-    if topology_aware and devices[0].platform == "tpu" and len(devices) == len(jax.devices()):
-        from jax.experimental import mesh_utils
+def arrange_devices(
+    shape: tuple[int, ...],
+    devices: Sequence[Any],
+    *,
+    topology_aware: bool = True,
+    caller: str = "create_mesh",
+) -> np.ndarray:
+    """``devices`` as an array of ``shape``: topology-aware on TPU, in the given order elsewhere.
 
-        with contextlib.suppress(Exception):
-            return mesh_utils.create_device_mesh(shape, devices)
+    On TPU, JAX's ``mesh_utils.create_device_mesh`` places neighbouring mesh
+    positions on neighbouring chips. When it cannot lay ``shape`` over these
+    devices, a ``UserWarning`` names the reason and the order used instead (the
+    given one). Other platforms have no topology: the given order, silently.
+
+    Examples:
+        >>> import jax
+        >>> from dtensor.core.mesh import arrange_devices
+        >>> arrange_devices((2, 4), jax.devices()).shape
+        (2, 4)
+    """
     arr = np.empty(len(devices), dtype=object)
-    arr[:] = devices
-    return arr.reshape(shape)
+    arr[:] = list(devices)
+    if not (topology_aware and devices and getattr(devices[0], "platform", None) == "tpu"):
+        return arr.reshape(shape)
+    from jax.experimental import mesh_utils
+
+    try:
+        return mesh_utils.create_device_mesh(shape, list(devices))
+    except Exception as e:  # noqa: BLE001 - any failure of the arrangement is reported below
+        warnings.warn(
+            f"{caller}: JAX's topology-aware arrangement (mesh_utils.create_device_mesh) cannot "
+            f"lay mesh shape {shape} over these {len(devices)} TPU devices "
+            f"({type(e).__name__}: {e}). Using the devices in the order given "
+            f"(ids {[getattr(d, 'id', d) for d in list(devices)[:8]]}...), where mesh neighbours "
+            "may be distant chips. Pass devices= in the order you want, or a mesh shape that "
+            "fits the chip grid, to choose it yourself.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return arr.reshape(shape)

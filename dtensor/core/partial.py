@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dtensor.core.layout import UNSHARDED, Layout, LayoutError
 from dtensor.core.mesh import Mesh
+from dtensor.core.placement import array_layout, copy_to_mesh, is_traced, relayout_plain
 from dtensor.core.reduce_op import ReduceOp
 
 __all__ = [
@@ -163,9 +164,7 @@ def partial_layout_of(x: Any, mesh: Mesh | None = None) -> Layout | None:
     if mesh is not None and sharding.mesh in (mesh.jax_mesh, mesh.jax_mesh.abstract_mesh):
         sharding = NamedSharding(mesh.jax_mesh, sharding.spec)
         return Layout.from_sharding(sharding, rank=len(x.shape))
-    from dtensor.core.arrays import fetch_layout
-
-    return fetch_layout(x)
+    return array_layout(x)
 
 
 def assemble(shards: Sequence[Any], layout: Layout, global_shape: tuple[int, ...]) -> Any:
@@ -236,8 +235,6 @@ def _plan(src: Layout, target: Layout, shape: tuple[int, ...]) -> dict[int, tupl
 
 def relayout_partial(x: Any, target: Layout, *, name: str = "array") -> Any:
     """Relayout where the source or the target is partial (called by :func:`dtensor.relayout`)."""
-    from dtensor.core.arrays import is_traced, relayout
-
     src = partial_layout_of(x, target.mesh)
     if src is None:
         raise LayoutError(
@@ -260,7 +257,7 @@ def relayout_partial(x: Any, target: Layout, *, name: str = "array") -> Any:
                 "first (relayout to a non-partial layout)."
             )
         if isinstance(x, PartialArray):
-            return PartialArray(relayout(x.blocks, stacked_layout(target), name=name), target)
+            return PartialArray(relayout_plain(x.blocks, stacked_layout(target), name=name), target)
         return _reshard(x, unreduced_sharding(target))
     plan = _plan(src, target, shape)
     scattered = [a for axes in plan.values() for a in axes]
@@ -290,7 +287,7 @@ def relayout_partial(x: Any, target: Layout, *, name: str = "array") -> Any:
         out = fn(arg) if is_traced(arg) else _jit(fn)(arg)
     if middle == target:
         return out
-    return relayout(out, target, name=name)
+    return relayout_plain(out, target, name=name)
 
 
 _JITS: dict[Any, Callable[..., Any]] = {}
@@ -318,8 +315,6 @@ def call_per_device(
     Array arguments keep their own layouts (they must be on ``layout.mesh``);
     host arrays are replicated. See :func:`dtensor.call_with_layout`.
     """
-    from dtensor.core.arrays import copy_to_mesh, fetch_layout
-
     name = getattr(fn, "__name__", "fn")
     flat, treedef = jax.tree.flatten((args, kwargs))
     dyn = [i for i, v in enumerate(flat) if isinstance(v, jax.Array | np.ndarray)]
@@ -327,7 +322,7 @@ def call_per_device(
     for i in dyn:
         v = flat[i]
         if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
-            lay = fetch_layout(v)
+            lay = array_layout(v)
             if lay.mesh != layout.mesh or lay.is_partial:
                 raise LayoutError(
                     f"call_with_layout({name}, {layout!r}): argument leaf {i} has layout {lay!r}; "

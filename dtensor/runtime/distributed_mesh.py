@@ -12,7 +12,6 @@ devices carry a ``slice_index``, otherwise processes (``process_index``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtensor.core.mesh import AxisTypes, Mesh, MeshError, create_mesh, resolve_sizes
+from dtensor.core.mesh import (
+    AxisTypes,
+    Mesh,
+    MeshError,
+    arrange_devices,
+    create_mesh,
+    resolve_sizes,
+)
 
 __all__ = ["create_distributed_mesh", "device_groups"]
 
@@ -81,14 +87,8 @@ def device_groups(devices: Sequence[Any]) -> tuple[str, list[list[Any]]]:
 
 
 def _inner_mesh(shape: tuple[int, ...], group: list[Any]) -> np.ndarray:
-    if group[0].platform == "tpu":
-        from jax.experimental import mesh_utils
-
-        with contextlib.suppress(Exception):
-            return mesh_utils.create_device_mesh(shape, group)
-    arr = np.empty(len(group), dtype=object)
-    arr[:] = sorted(group, key=lambda d: d.id)
-    return arr.reshape(shape)
+    ordered = sorted(group, key=lambda d: d.id)
+    return arrange_devices(shape, ordered, caller="create_distributed_mesh")
 
 
 def create_distributed_mesh(

@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import jax.errors
+
 __all__ = ["TopologyError", "tpu_topology"]
 
 _EXAMPLES = "'v5e:4x4', 'v5e:16x16', 'v4:2x2x2', 'v5p:2x2x2', 'v6e:4x4'"
@@ -58,7 +60,6 @@ def _quiet_libtpu() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=32)
 def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
-    from jax._src.lib import _jax
     from jax.experimental import topologies
 
     try:
@@ -73,7 +74,7 @@ def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
                 "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in the environment of every process that compiles "
                 "for TPU topologies (dtensor sets it itself where no TPU is attached)."
             ) from None
-        if isinstance(e, _jax.JaxRuntimeError):
+        if isinstance(e, jax.errors.JaxRuntimeError):
             detail = str(e).removeprefix("INVALID_ARGUMENT: ")
             raise TopologyError(
                 f"tpu_topology({name!r}, num_slices={num_slices}) is not a topology libtpu "

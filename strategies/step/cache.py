@@ -69,6 +69,10 @@ class FunctionKey:
             raise ReferenceError("the step function of this compiled step was garbage collected")
         return types.MethodType(parts[0], parts[1]) if len(parts) == 2 else parts[0]
 
+    def holds(self, ref: Any) -> bool:
+        """Whether ``ref`` (the weak reference an ``on_death`` call gets) is one of this key's."""
+        return any(r is ref for r in self._refs)
+
     def __hash__(self) -> int:
         return self._hash
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import threading
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,6 @@ from flax import nnx
 
 import strategies
 from strategies import ClusterCoordinator, PerWorkerValues, RemoteValue, WorkerFailure
-from strategies.coordinator import _check_addressable
 
 D, STEPS, B = 8, 60, 16
 
@@ -301,15 +299,18 @@ def test_worker_groups_of_several_devices_and_assign_add_semantics():
     assert out.shape == (6, 1)
 
 
-def test_errors():
+def test_errors(monkeypatch):
     with pytest.raises(TypeError, match="needs a ParameterServerStrategy"):
         ClusterCoordinator(strategies.MirroredStrategy())
     with pytest.raises(
         ValueError, match="num_workers=4 must be a positive number that divides the 6"
     ):
         ClusterCoordinator(_strategy(), num_workers=4)
-    with pytest.raises(ValueError, match="needs every device in this process"):
-        _check_addressable([SimpleNamespace(process_index=1)])
+    strategy = _strategy()
+    with monkeypatch.context() as patch:  # seen from another process, every device is remote
+        patch.setattr(jax, "process_index", lambda *_, **__: 1)
+        with pytest.raises(ValueError, match="needs every device in this process"):
+            ClusterCoordinator(strategy, num_workers=2)
     coordinator = ClusterCoordinator(_strategy(), num_workers=1)
     with pytest.raises(ValueError, match="there are 1 workers; pass an index in 0..0"):
         coordinator.set_worker_available(3, False)

@@ -1,0 +1,94 @@
+"""The one place dtensor and strategies touch JAX's private modules (``jax._src``).
+
+Each function here reads something JAX has no public API for, and falls back
+to a public (if weaker) answer when JAX's internals move: an upgrade of JAX
+then degrades one feature, named here, instead of breaking an import. Every
+function has a test of both paths (``tests/test_compat_cluster.py``). Code
+elsewhere imports these functions, never ``jax._src``.
+
+Public APIs replace private ones wherever they exist: XLA's runtime error is
+``jax.errors.JaxRuntimeError`` (not ``jax._src.lib._jax``), the current mesh is
+``jax.sharding.get_mesh()`` / ``get_abstract_mesh()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["cluster_types", "detected_cluster", "preemption_sync_manager"]
+
+
+def cluster_types() -> tuple[type, ...]:
+    """The cluster environments JAX's ``jax.distributed.initialize()`` detects, in its order.
+
+    Private: ``jax._src.clusters.ClusterEnv._cluster_types`` (importing
+    ``jax._src.clusters`` registers them). Fallback when that moves: ``()``,
+    so dtensor recognises no JAX-detected cluster by name, and
+    ``jax.distributed.initialize()`` still detects it itself when called
+    without arguments.
+
+    Examples:
+        >>> from dtensor.compat import cluster_types
+        >>> any(t.__name__ == "SlurmCluster" for t in cluster_types())
+        True
+    """
+    try:
+        from jax._src import clusters
+    except ImportError:
+        return ()
+    registered = getattr(getattr(clusters, "ClusterEnv", None), "_cluster_types", None)
+    if not isinstance(registered, list | tuple):
+        return ()
+    return tuple(t for t in registered if isinstance(t, type))
+
+
+def detected_cluster(types: tuple[type, ...] | None = None) -> str | None:
+    """The name of the cluster environment JAX's detection would use here, or ``None``.
+
+    Environments that JAX only uses when asked for by name
+    (``opt_in_only_method``) are skipped, as ``jax.distributed.initialize``
+    skips them; a detector that cannot run here (it raises) is not this
+    process's cluster.
+
+    Args:
+        types: the environments to try (default :func:`cluster_types`).
+
+    Examples:
+        >>> from dtensor.compat import detected_cluster
+        >>> class Here:
+        ...     @staticmethod
+        ...     def is_env_present():
+        ...         return True
+        >>> detected_cluster((Here,))
+        'Here'
+    """
+    for env in cluster_types() if types is None else types:
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            present = bool(env.is_env_present())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - a third-party detector may fail in any way
+            continue
+        if present:
+            return env.__name__
+    return None
+
+
+def preemption_sync_manager() -> Any | None:
+    """JAX's preemption sync manager (multi-process runs over the coordination service), or ``None``.
+
+    Private: ``jax._src.distributed.global_state.preemption_sync_manager``.
+    Fallback when that moves: ``None``, so preemption notices are not shared
+    between processes (each process still sees its own signal).
+
+    Examples:
+        >>> from dtensor.compat import preemption_sync_manager
+        >>> preemption_sync_manager() is None  # a single process
+        True
+    """
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "preemption_sync_manager", None)
