@@ -26,8 +26,8 @@ from dtensor import Layout, Mesh, ReduceOp
 from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
 from strategies import context, creation, tf_compat
+from strategies.boundary import explicit_axes_error
 from strategies.datasets import CheckedShares
-from strategies.step.boundary import explicit_axes_error
 from strategies.step.compiler import StepCompiler
 from strategies.values import InputContext, PerReplica, ValueContext
 

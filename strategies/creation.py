@@ -27,7 +27,7 @@ import jax.core
 from flax import nnx
 from flax.nnx import pytreelib
 
-from strategies.step.boundary import explicit_axes_error
+from strategies.boundary import explicit_axes_error
 
 if TYPE_CHECKING:
     from strategies.base import Strategy
