@@ -14,13 +14,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST as EXIT_PEER_LOST
+
 ENV_COORDINATOR = "DTENSOR_COORDINATOR"
 ENV_NUM_PROCESSES = "DTENSOR_NUM_PROCESSES"
 ENV_PROCESS_ID = "DTENSOR_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "DTENSOR_DEVICES_PER_PROCESS"
-
-EXIT_PEER_LOST = 75
-"""Exit status of a process stopped because another process of the job was lost."""
+ENV_STATUS_DIR = "DTENSOR_LAUNCH_STATUS_DIR"
+"""Where :mod:`dtensor.launch` writes each ended process's status (read by the runtime)."""
 
 LAUNCHER_SOURCE = "dtensor.launch"
 

@@ -169,7 +169,7 @@ def test_initialize_after_backends_started():
 
 
 def test_local_device_count_error(monkeypatch):
-    monkeypatch.setattr(runtime, "_backends_started", lambda: False)
+    monkeypatch.setattr(runtime.compat, "backends_initialized", lambda: False)
     monkeypatch.setattr(runtime, "_connect", lambda *a, **k: pytest.fail("must not connect"))
     with pytest.raises(ClusterConfigError, match=r"local_device_count=0 is not valid"):
         dtensor.initialize("127.0.0.1:1", 2, 0, local_device_count=0)
@@ -305,7 +305,7 @@ def test_jax_initialize_failure_is_reported(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("UNKNOWN: Failed to start RPC server")
 
-    monkeypatch.setattr(runtime, "_backends_started", lambda: False)
+    monkeypatch.setattr(runtime.compat, "backends_initialized", lambda: False)
     monkeypatch.setattr(runtime, "_check_port_free", lambda spec: None)
     monkeypatch.setattr(jax.distributed, "initialize", fail)
     with pytest.raises(
