@@ -69,11 +69,17 @@ class Loss:
     coordinator: bool = False
 
 
-def die(message: str, code: int = EXIT_PEER_LOST) -> None:
-    """Print ``message`` as one line on stderr and end this process now (no atexit, no barrier)."""
-    if not _dying.acquire(blocking=False):  # another thread is already ending the process
+def _claim() -> None:
+    """Become the one thread that ends this process; any other waits here until it has."""
+    if not _dying.acquire(blocking=False):
         while True:
             time.sleep(60)
+
+
+def die(message: str, code: int = EXIT_PEER_LOST, *, claimed: bool = False) -> None:
+    """Print ``message`` as one line on stderr and end this process now (no atexit, no barrier)."""
+    if not claimed:
+        _claim()
     try:
         sys.stdout.flush()
         sys.stderr.write(" ".join(message.split()) + "\n")
@@ -141,6 +147,7 @@ class PeerMonitor:
         self.period = max(0.2, min(1.0, self.timeout / 5))
         self.status_dir = Path(status_dir) if status_dir else None
         self.stop = threading.Event()
+        self.finished = False
         self.exits: dict[int, dict[str, Any]] = {}
         self.done: set[int] = set()
         self._seen: dict[int, tuple[str | None, float]] = {}
@@ -175,7 +182,8 @@ class PeerMonitor:
         return statuses, reason
 
     def _poll_store(self) -> None:
-        self.client.key_value_set(f"{_ALIVE}{self.me}", str(time.monotonic()), allow_overwrite=True)
+        beat = _DONE if self.finished else str(time.monotonic())
+        self.client.key_value_set(f"{_ALIVE}{self.me}", beat, allow_overwrite=True)
         alive = self.client.key_value_dir_get(_ALIVE)
         exits = self.client.key_value_dir_get(_EXIT)
         now = time.monotonic()
@@ -294,6 +302,7 @@ class PeerMonitor:
 
     def leave(self, status: int, what: str) -> None:
         """End this process with ``status`` now, telling the others why (skips JAX's shutdown barrier)."""
+        _claim()
         self.stop.set()
         self.record(status, what)
         self.linger()
@@ -311,6 +320,7 @@ class PeerMonitor:
         """
         if self.stop.is_set():
             return
+        self.finished = True
         with contextlib.suppress(Exception):
             self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
         deadline = time.monotonic() + wait_s
@@ -399,7 +409,10 @@ def report_uncaught(monitor: PeerMonitor | None, exc_type: Any, exc: Any) -> Non
             f"checking for up to {monitor.timeout:g} s whether another process was lost.\n"
         )
         sys.stderr.flush()
-        monitor.thread.join(monitor.timeout + 3 * monitor.period)
+        monitor.thread.join(monitor.timeout + 5 * monitor.period + 2)
+        loss = monitor.diagnose()
+        if loss is not None:
+            monitor.lose(loss)
     sys.stderr.write(
         f"dtensor.runtime: process {monitor.me} of {monitor.n} stopped by an uncaught "
         f"{exc_type.__name__} (exit status 1); the other processes will stop too.\n"
