@@ -281,6 +281,7 @@ def launch(
     pumps: list[threading.Thread] = []
     failed = False
     timed_out = False
+    before_timeout: tuple[int, int] | None = None
     try:
         for rank in range(num_processes):
             proc_env = dict(base, **{ENV_PROCESS_ID: str(rank)})
@@ -309,7 +310,7 @@ def launch(
                     job.stop(grace_s, report_s)
                     break
             if deadline is not None and time.monotonic() > deadline:
-                timed_out = True
+                timed_out, before_timeout = True, job.first_failure()
                 running = [r for r, p in enumerate(job.procs) if p.poll() is None]
                 _note(sink, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
                 _write(
@@ -325,8 +326,8 @@ def launch(
             t.join(timeout=10)
         shutil.rmtree(job.status_dir, ignore_errors=True)
     codes = tuple(_status(p.returncode) for p in job.procs)
-    first = job.first_failure()
-    if timed_out and (first is None or first[1] == EXIT_TIMEOUT):
+    first = before_timeout if timed_out else job.first_failure()
+    if timed_out and first is None:  # the processes stopped at the timeout did not fail
         returncode, failed_rank = EXIT_TIMEOUT, None
     elif first is not None:
         returncode, failed_rank = first[1], first[0]
