@@ -72,6 +72,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dtensor.runtime.exit_codes import EXIT_STEP_TIMEOUT
+
 __all__ = [
     "AllReduceCrossDeviceOps",
     "CommunicationImplementation",
@@ -113,7 +115,8 @@ class CommunicationOptions:
             each reduced by one collective, in order.
         timeout_seconds: a step whose collectives do not finish within this
             many seconds aborts the process with a message naming the step
-            (XLA cannot cancel a collective; without it a lost peer hangs).
+            and exit status 76 (``dtensor.runtime.exit_codes.EXIT_STEP_TIMEOUT``;
+            XLA cannot cancel a collective; without it a lost peer hangs).
         implementation: a :class:`CommunicationImplementation`.
 
     Examples:
@@ -516,10 +519,12 @@ class StepWatchdog:
 
     A collective whose peer is lost never returns and XLA cannot cancel it;
     this turns the hang into an error message and exit code
-    :data:`EXIT_TIMEOUT` (``on_timeout`` replaces the exit, for tests).
+    :data:`EXIT_TIMEOUT` (``dtensor.runtime.exit_codes.EXIT_STEP_TIMEOUT``, 76:
+    its own status, not the 75 of a peer loss the runtime names; ``on_timeout``
+    replaces the exit, for tests).
     """
 
-    EXIT_TIMEOUT = 75
+    EXIT_TIMEOUT = EXIT_STEP_TIMEOUT
 
     def __init__(
         self, timeout: float, *, what: str, on_timeout: Callable[[str], None] | None = None
