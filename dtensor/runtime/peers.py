@@ -152,10 +152,13 @@ class PeerMonitor:
         self.done: set[int] = set()
         self._seen: dict[int, tuple[str | None, float]] = {}
         self._first_seen_exit: dict[int, float] = {}
+        self._first_seen_status: dict[int, float] = {}
         self.thread = threading.Thread(target=self._run, name="dtensor-peers", daemon=True)
 
     @classmethod
-    def from_env(cls, client: Any, me: int, n: int, address: str | None, timeout: float) -> Any:
+    def from_env(
+        cls, client: Any, me: int, n: int, address: str | None, timeout: float
+    ) -> PeerMonitor:
         return cls(client, me, n, address, timeout, status_dir=os.environ.get(ENV_STATUS_DIR))
 
     def start(self) -> None:
@@ -218,8 +221,12 @@ class PeerMonitor:
                 found.append(Loss(root, str(record.get("root_what", "was lost")), None))
             found.append(Loss(i, str(record.get("what") or describe(status)), status))
         for i, status in sorted(statuses.items()):
-            if i != self.me and i not in self.exits and status != 0:
-                found.append(Loss(i, describe(status), status, coordinator=i == 0))
+            if i == self.me or i in self.exits or status == 0:
+                continue
+            first = self._first_seen_status.setdefault(i, now)
+            if status == EXIT_PREEMPTED and now - first < self.timeout:
+                continue
+            found.append(Loss(i, describe(status), status, coordinator=i == 0))
         causes = [f for f in found if f.status != EXIT_PEER_LOST]
         if causes or found:
             return (causes or found)[0]

@@ -103,7 +103,7 @@ def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         os._exit(1)
 
 
-def _recording_exit(status: object = None) -> None:
+def _recording_exit(status: Any = None) -> None:
     """``sys.exit`` while in a job: remember the status the main thread asks for, then exit."""
     if threading.current_thread() is threading.main_thread():
         if status is None:
@@ -349,15 +349,16 @@ def _connect(
         spec, coordinator_address=compat.coordinator_address() or spec.coordinator_address
     )
     assert spec.process_id is not None and spec.num_processes is not None
-    _state.monitor = peers.PeerMonitor.from_env(
+    monitor = peers.PeerMonitor.from_env(
         compat.distributed_client(),
         spec.process_id,
         spec.num_processes,
         spec.coordinator_address,
         heartbeat_timeout_s,
     )
-    _state.monitor.start()
-    peers.install_abort_hook(_state.monitor)
+    _state.monitor = monitor
+    monitor.start()
+    peers.install_abort_hook(monitor)
     return spec
 
 
