@@ -12,7 +12,12 @@ from typing import Any
 
 import jax
 
-__all__ = ["backends_initialized", "coordinator_address", "distributed_client"]
+__all__ = [
+    "backends_initialized",
+    "coordinator_address",
+    "detected_cluster",
+    "distributed_client",
+]
 
 
 def distributed_client() -> Any | None:
@@ -64,3 +69,29 @@ def backends_initialized() -> bool:
     except ImportError:  # pragma: no cover - JAX moved it; assume the worst
         return True
     return bool(xla_bridge.backends_are_initialized())
+
+
+def detected_cluster() -> str | None:
+    """The name of the cluster environment JAX's own detection would use here (SLURM, TPU VM...).
+
+    ``None`` when none is present (JAX has no public way to ask without joining).
+
+    Examples:
+        >>> from dtensor.compat import detected_cluster
+        >>> detected_cluster() in (None, "SlurmCluster", "GceTpuCluster", "OmpiCluster")
+        True
+    """
+    try:
+        from jax._src import clusters  # noqa: F401  (registers the environments)
+        from jax._src.clusters import ClusterEnv
+    except ImportError:  # pragma: no cover - JAX moved it: no detection, say so by None
+        return None
+    for env in ClusterEnv._cluster_types:
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception:  # a detector that cannot run here is not our cluster
+            continue
+    return None

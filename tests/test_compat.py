@@ -52,3 +52,18 @@ def test_backends_initialized_reads_jax(monkeypatch):
 
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     assert compat.backends_initialized() is False
+
+
+def test_detected_cluster(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert compat.detected_cluster() in (None, "GceTpuCluster", "OmpiCluster", "K8sCluster")
+    for name, value in {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "node1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert compat.detected_cluster() == "SlurmCluster"

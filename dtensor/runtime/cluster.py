@@ -162,18 +162,9 @@ def int_env(environ: Mapping[str, str], name: str) -> int:
 
 def _jax_cluster() -> str | None:
     """The name of the cluster environment JAX's own detection would use, if any."""
-    from jax._src import clusters  # noqa: F401  (registers the environments)
-    from jax._src.clusters import ClusterEnv
+    from dtensor import compat
 
-    for env in ClusterEnv._cluster_types:
-        if getattr(env, "opt_in_only_method", False):
-            continue
-        try:
-            if env.is_env_present():
-                return env.__name__
-        except Exception:  # a detector that cannot run here is not our cluster
-            continue
-    return None
+    return compat.detected_cluster()
 
 
 def resolve_cluster(
