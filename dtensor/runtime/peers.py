@@ -402,24 +402,34 @@ def looks_like_peer_failure(exc_type: Any, exc: Any) -> bool:
     )
 
 
-def report_uncaught(monitor: PeerMonitor | None, exc_type: Any, exc: Any) -> None:
-    """After the traceback of an uncaught exception: name a lost peer, or record and leave (1).
+def await_loss(monitor: PeerMonitor | None, exc_type: Any, exc: Any) -> None:
+    """Before reporting an uncaught exception: if it looks like a lost peer's, name that peer.
 
-    An XLA runtime error is often a collective failing because a peer died, so
-    the monitor first gets one heartbeat timeout to name the lost process.
+    An XLA runtime error is often a collective failing because a peer died
+    (gloo's "Connection reset by peer"). The monitor usually names the peer
+    within a second or two, and then this process ends with its one line and
+    status 75 (not the collective's traceback); otherwise it gets up to one
+    heartbeat timeout, and the exception is reported as this process's own.
     """
-    if monitor is None:
+    if monitor is None or not looks_like_peer_failure(exc_type, exc):
         return
-    if looks_like_peer_failure(exc_type, exc) and monitor.thread.is_alive():
+    monitor.thread.join(2 * monitor.period + 1)
+    if monitor.thread.is_alive():
         sys.stderr.write(
             f"dtensor.runtime: process {monitor.me} of {monitor.n} got an XLA runtime error; "
             f"checking for up to {monitor.timeout:g} s whether another process was lost.\n"
         )
         sys.stderr.flush()
-        monitor.thread.join(monitor.timeout + 5 * monitor.period + 2)
-        loss = monitor.diagnose()
-        if loss is not None:
-            monitor.lose(loss)
+        monitor.thread.join(monitor.timeout + 3 * monitor.period + 1)
+    loss = monitor.diagnose()
+    if loss is not None:
+        monitor.lose(loss)
+
+
+def report_uncaught(monitor: PeerMonitor | None, exc_type: Any) -> None:
+    """After the traceback of an uncaught exception: record status 1 and leave now."""
+    if monitor is None:
+        return
     sys.stderr.write(
         f"dtensor.runtime: process {monitor.me} of {monitor.n} stopped by an uncaught "
         f"{exc_type.__name__} (exit status 1); the other processes will stop too.\n"

@@ -93,12 +93,14 @@ def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
 
     Waiting in JAX's shutdown barrier would hang this process while the
     others wait in a collective for it; leaving (with an exit record) lets
-    them name it. See :func:`dtensor.runtime.peers.report_uncaught`.
+    them name it. A collective that failed because a peer was lost ends with
+    that peer named instead (:func:`dtensor.runtime.peers.await_loss`).
     """
     hook = _state.previous_excepthook or sys.__excepthook__
     try:
+        peers.await_loss(_state.monitor, exc_type, exc)  # a lost peer's echo: name the peer
         hook(exc_type, exc, tb)
-        peers.report_uncaught(_state.monitor, exc_type, exc)
+        peers.report_uncaught(_state.monitor, exc_type)
     finally:
         os._exit(1)
 
