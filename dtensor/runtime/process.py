@@ -152,7 +152,7 @@ def initialize(
     *,
     local_device_count: int | None = None,
     timeout_s: float = 60,
-    heartbeat_timeout_s: float = 20,
+    heartbeat_timeout_s: float = 15,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
 ) -> ClusterSpec | None:
@@ -176,9 +176,11 @@ def initialize(
             join before failing.
         heartbeat_timeout_s: how long a silent process (killed, hung) may go
             before the others declare it lost and exit with
-            :data:`EXIT_PEER_LOST`. A process that ends with a non-zero
-            ``sys.exit(N)`` or an uncaught exception, and the coordinator's
-            death, are noticed at once (within about a second).
+            :data:`EXIT_PEER_LOST` (with the default, a killed process is
+            named within about 20 s; under :mod:`dtensor.launch`, which
+            reports its status, within about a second). A process that ends
+            with a non-zero ``sys.exit(N)`` or an uncaught exception, and the
+            coordinator's death, are noticed at once (about a second).
         shutdown_timeout_s: how long a finished process waits at exit for
             the others to finish too (JAX's shutdown barrier); it stops
             waiting, with :data:`EXIT_PEER_LOST`, as soon as one of them is
