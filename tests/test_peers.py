@@ -139,3 +139,42 @@ def test_every_code_is_documented():
     for name in exit_codes.__all__:
         if name.startswith("EXIT_"):
             assert f":data:`{name}`" in doc and str(getattr(exit_codes, name)) in doc
+
+
+ABORT_SCRIPT = """
+import os, sys
+from dtensor.runtime import peers
+from tests.test_peers import FakeStore
+status_dir, me = sys.argv[1], int(sys.argv[2])
+m = peers.PeerMonitor(FakeStore(), me, 2, "10.0.0.1:1234", 30.0, status_dir=status_dir)
+m._seen = {0: (None, 1e18), 1: (None, 1e18)}
+peers.install_abort_hook(m)
+os.abort()  # as JAX's C++ client does (LOG(FATAL)) when the job breaks
+"""
+
+
+@pytest.mark.parametrize("killed", [True, False])
+def test_abort_is_named_when_the_loss_is_known(tmp_path, killed):
+    import subprocess
+    import sys
+
+    from tests.multiprocess.util import REPO
+
+    if killed:
+        (tmp_path / "0.status").write_text("-9")
+    proc = subprocess.run(
+        [sys.executable, "-c", ABORT_SCRIPT, str(tmp_path), "1" if killed else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    if killed:  # a known loss: our line, status 75
+        assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+        assert proc.stderr.strip().endswith("own output.")
+        assert "process 1 of 2 lost process 0 (the coordinator at 10.0.0.1:1234): it was " in (
+            proc.stderr
+        )
+    else:  # process 0, nothing known: not ours to explain, JAX's abort goes on
+        assert proc.returncode == -6, proc.stderr
+        assert "dtensor.runtime" not in proc.stderr
