@@ -166,6 +166,12 @@ def initialize(
     ``DTENSOR_DEVICES_PER_PROCESS``), that many simulated devices. Process 0
     prints one table of the resolved cluster.
 
+    In a multi-process job it also starts watching the other processes
+    (:mod:`dtensor.runtime.peers`) and, until :func:`shutdown`, replaces
+    ``sys.excepthook`` and ``sys.exit`` (to learn this process's exit status;
+    a ``raise SystemExit(N)`` that bypasses ``sys.exit`` is not seen, and such
+    a process ends as if with status 0 while the others wait for it).
+
     Args:
         coordinator_address: ``host:port`` of process 0 (which runs the
             coordination service there).
