@@ -337,6 +337,9 @@ class PeerMonitor:
             time.sleep(min(0.2, self.period))
         self.stop.set()
         self.thread.join(timeout=5)
+        if self.status_dir is not None:  # no longer stops by itself: the launcher need not wait
+            with contextlib.suppress(OSError):
+                (self.status_dir / f"{self.me}.watching").unlink()
 
 
 # ---------------------------------------------------------------- JAX's aborts
