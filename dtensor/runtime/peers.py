@@ -275,6 +275,7 @@ class PeerMonitor:
 
     def lose(self, loss: Loss, *, store_ok: bool = True) -> None:
         """Report ``loss`` in one line and end this process (75, or 124 if the launcher stopped it)."""
+        _claim()
         code = EXIT_TIMEOUT if loss.process is None else EXIT_PEER_LOST
         message = lost_message(self.me, self.n, loss, self.address)
         if store_ok and loss.process is not None:
@@ -285,7 +286,7 @@ class PeerMonitor:
                 root_what=loss.what,
             )
             self.linger()
-        die(message, code)
+        die(message, code, claimed=True)
 
     def record(self, status: int, what: str, **extra: Any) -> None:
         """Write this process's exit record (best effort: the store may be gone)."""
