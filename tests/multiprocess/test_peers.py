@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dtensor.runtime.exit_codes import EXIT_PEER_LOST
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST, EXIT_TIMEOUT
 from dtensor.runtime.launch import free_port, launch
 
 from .util import REPO, WORKERS
@@ -205,3 +205,24 @@ def test_clean_end_at_different_times_is_zero_everywhere():
     assert run.codes == [0, 0], run.report()
     assert all(f"process {i} finished" in run.outputs[i] for i in range(2)), run.report()
     assert "lost process" not in "".join(run.outputs), run.report()
+
+
+# ------------------------------------------------------------ the launcher's timeout
+def test_launcher_timeout_stops_joined_processes_with_their_own_line():
+    result = launch(
+        [sys.executable, str(WORKERS / "faults.py"), "loop", HEARTBEAT_S],
+        2,
+        timeout_s=30,
+        grace_s=1,
+        env={"PYTHONPATH": str(REPO)},
+        out=_Clock(),  # type: ignore[arg-type]
+    )
+    outputs = "\n".join(result.outputs)
+    assert all("looping" in out for out in result.outputs), outputs  # joined before the timeout
+    assert result.timed_out and result.returncode == EXIT_TIMEOUT, outputs
+    assert result.returncodes == (EXIT_TIMEOUT, EXIT_TIMEOUT), outputs
+    for rank in range(2):
+        assert (
+            f"dtensor.runtime: process {rank} of 2 stopped by dtensor.launch: the job timed out "
+            "after 30 s (dtensor.launch --timeout)." in result.outputs[rank]
+        ), outputs

@@ -10,6 +10,7 @@ The scenarios:
 - ``exit3``: process 1 ends with ``sys.exit(3)`` after the first steps.
 - ``clean``: every process runs a few steps and ends normally, process 0 a
   few seconds after the others.
+- ``loop``: every process runs steps until it is stopped.
 - ``kill_coordinator``: process 0 (which runs the coordination service)
   SIGKILLs itself mid-run.
 - ``wrong_address``: join a coordinator where nothing listens (as process 1).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def closed_port() -> int:
@@ -83,13 +85,13 @@ def main() -> None:
             float(step(x))
         dtensor.barrier("steps-done")
         if me == 0:
-            import time
-
             time.sleep(3)  # the others reach the end first and wait for process 0
         print(f"process {me} finished", flush=True)
         if me != 0:
             sys.exit(0)  # an explicit 0 is a normal end too
         return
+    if scenario == "loop":
+        print(f"process {me} looping", flush=True)
     for i in range(100_000):
         if scenario == "exit3" and me == 1 and i == 3:
             print("process 1 going away", flush=True)
@@ -103,6 +105,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("process 1 failed on purpose")
         float(step(x))
+        if scenario == "loop":
+            time.sleep(0.05)
     sys.exit("the loop ended without the failure being noticed")
 
 
