@@ -211,6 +211,8 @@ class PeerMonitor:
         """The loss to report now, if any (best cause first), from what was last read."""
         now = time.monotonic()
         statuses, reason = self._launcher_statuses()
+        if reason is not None:  # the launcher stopped the job: processes ending now are its doing
+            return Loss(None, reason, EXIT_TIMEOUT)
         found: list[Loss] = []
         for i, record in sorted(self.exits.items()):
             status = int(record["status"])
@@ -230,8 +232,6 @@ class PeerMonitor:
         causes = [f for f in found if f.status != EXIT_PEER_LOST]
         if causes or found:
             return (causes or found)[0]
-        if reason is not None:
-            return Loss(None, reason, EXIT_TIMEOUT)
         if store_down is not None and self.me != 0:
             return Loss(
                 0,
@@ -278,13 +278,13 @@ class PeerMonitor:
         _claim()
         code = EXIT_TIMEOUT if loss.process is None else EXIT_PEER_LOST
         message = lost_message(self.me, self.n, loss, self.address)
-        if store_ok and loss.process is not None:
-            self.record(
-                EXIT_PEER_LOST,
-                f"lost process {loss.process}",
-                root=loss.process,
-                root_what=loss.what,
-            )
+        if store_ok:
+            if loss.process is None:
+                self.record(code, "was stopped by dtensor.launch")
+            else:
+                self.record(
+                    code, f"lost process {loss.process}", root=loss.process, root_what=loss.what
+                )
             self.linger()
         die(message, code, claimed=True)
 
