@@ -111,7 +111,7 @@ def _recording_exit(status: Any = None) -> None:
         if status is None:
             _state.exit_status = 0
         elif isinstance(status, int) and not isinstance(status, bool):
-            _state.exit_status = status & 0xFF if status >= 0 else 1
+            _state.exit_status = status & 0xFF  # what the OS reports, as for exit(3) in C
         else:  # a message: Python prints it and exits with 1
             _state.exit_status = 1
     (_state.previous_exit or _SYS_EXIT)(status)
