@@ -3,7 +3,7 @@
 Each function here reads something JAX has no public API for, and falls back
 to a public (if weaker) answer when JAX's internals move: an upgrade of JAX
 then degrades one feature, named here, instead of breaking an import. Every
-function has a test of both paths (``tests/test_compat_cluster.py``). Code
+function has a test of both paths (``tests/test_compat.py``, ``tests/test_compat_cluster.py``). Code
 elsewhere imports these functions, never ``jax._src``.
 
 Public APIs replace private ones wherever they exist: XLA's runtime error is
@@ -15,7 +15,67 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["cluster_types", "detected_cluster", "preemption_sync_manager"]
+import jax
+
+__all__ = [
+    "backends_initialized",
+    "cluster_types",
+    "coordinator_address",
+    "detected_cluster",
+    "distributed_client",
+    "preemption_sync_manager",
+]
+
+
+def distributed_client() -> Any | None:
+    """JAX's coordination-service client of this process (key-value store, barriers), or ``None``.
+
+    ``None`` when the process has not joined a multi-process job
+    (``jax.distributed.is_initialized()`` is the public test for that).
+
+    Examples:
+        >>> from dtensor.compat import distributed_client
+        >>> distributed_client() is None  # one process: no job joined
+        True
+    """
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def coordinator_address() -> str | None:
+    """The ``host:port`` of the job's coordination service, as JAX resolved it (``None``: no job).
+
+    Examples:
+        >>> from dtensor.compat import coordinator_address
+        >>> coordinator_address() is None
+        True
+    """
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed
+
+    address = getattr(distributed.global_state, "coordinator_address", None)
+    return None if address is None else str(address)
+
+
+def backends_initialized() -> bool:
+    """Whether JAX already started its backends (after which ``jax.distributed`` cannot join).
+
+    Examples:
+        >>> import jax
+        >>> from dtensor.compat import backends_initialized
+        >>> _ = jax.devices()
+        >>> backends_initialized()
+        True
+    """
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - JAX moved it; assume the worst
+        return True
+    return bool(xla_bridge.backends_are_initialized())
 
 
 def cluster_types() -> tuple[type, ...]:

@@ -108,7 +108,8 @@ class CommunicationOptions:
             each reduced by one collective, in order.
         timeout_seconds: a step whose collectives do not finish within this
             many seconds aborts the process with a message naming the step
-            (XLA cannot cancel a collective; without it a lost peer hangs).
+            and exit status 76 (``dtensor.runtime.exit_codes.EXIT_STEP_TIMEOUT``;
+            XLA cannot cancel a collective; without it a lost peer hangs).
         implementation: a :class:`CommunicationImplementation`.
 
     Examples:

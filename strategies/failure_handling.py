@@ -33,11 +33,15 @@ from dtensor import Mesh
 from dtensor.checkpoint.checkpointer import Checkpointer
 from dtensor.compat import preemption_sync_manager
 from dtensor.core.tree import is_node
+from dtensor.runtime.exit_codes import EXIT_PREEMPTED
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "RESTARTABLE_EXIT_CODE"]
 
-RESTARTABLE_EXIT_CODE = 143
-"""The default exit status after a preemption save (128 + SIGTERM): "stopped, restart me"."""
+RESTARTABLE_EXIT_CODE = EXIT_PREEMPTED
+"""The default exit status after a preemption save (143 = 128 + SIGTERM): "stopped, restart me".
+
+Listed with every other status in :mod:`dtensor.runtime.exit_codes`.
+"""
 
 _log = logging.getLogger(__name__)
 

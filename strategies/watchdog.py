@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dtensor.runtime.exit_codes import EXIT_STEP_TIMEOUT
+
 __all__ = ["StepWatchdog"]
 
 
@@ -17,10 +19,12 @@ class StepWatchdog:
 
     A collective whose peer is lost never returns and XLA cannot cancel it;
     this turns the hang into an error message and exit code
-    :data:`EXIT_TIMEOUT` (``on_timeout`` replaces the exit, for tests).
+    :data:`EXIT_TIMEOUT` (``dtensor.runtime.exit_codes.EXIT_STEP_TIMEOUT``, 76:
+    its own status, not the 75 of a peer loss the runtime names; ``on_timeout``
+    replaces the exit, for tests).
     """
 
-    EXIT_TIMEOUT = 75
+    EXIT_TIMEOUT = EXIT_STEP_TIMEOUT
 
     def __init__(
         self, timeout: float, *, what: str, on_timeout: Callable[[str], None] | None = None

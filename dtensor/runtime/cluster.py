@@ -14,13 +14,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST as EXIT_PEER_LOST
+
 ENV_COORDINATOR = "DTENSOR_COORDINATOR"
 ENV_NUM_PROCESSES = "DTENSOR_NUM_PROCESSES"
 ENV_PROCESS_ID = "DTENSOR_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "DTENSOR_DEVICES_PER_PROCESS"
-
-EXIT_PEER_LOST = 75
-"""Exit status of a process stopped because another process of the job was lost."""
+ENV_STATUS_DIR = "DTENSOR_LAUNCH_STATUS_DIR"
+"""Where :mod:`dtensor.launch` writes each ended process's status (read by the runtime)."""
 
 LAUNCHER_SOURCE = "dtensor.launch"
 
@@ -161,18 +162,9 @@ def int_env(environ: Mapping[str, str], name: str) -> int:
 
 def _jax_cluster() -> str | None:
     """The name of the cluster environment JAX's own detection would use, if any."""
-    from jax._src import clusters  # noqa: F401  (registers the environments)
-    from jax._src.clusters import ClusterEnv
+    from dtensor import compat
 
-    for env in ClusterEnv._cluster_types:
-        if getattr(env, "opt_in_only_method", False):
-            continue
-        try:
-            if env.is_env_present():
-                return env.__name__
-        except Exception:  # a detector that cannot run here is not our cluster
-            continue
-    return None
+    return compat.detected_cluster()
 
 
 def resolve_cluster(

@@ -8,8 +8,19 @@ and, if asked, ``DTENSOR_DEVICES_PER_PROCESS``, which :func:`dtensor.initialize`
 reads; ``JAX_PLATFORMS=cpu`` unless already set. Their output is streamed
 with a ``[rank i]`` prefix on every line. The launcher's exit status is the
 first non-zero one of its processes (``128 + signal`` for a process killed by
-a signal, ``124`` on timeout); when one process fails the others are stopped
-(SIGTERM to their own pids, then SIGKILL after a grace period).
+a signal, ``124`` on timeout), a cause preferred over the
+:data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` of a process that only
+reported losing it.
+
+When one process fails the others are stopped so that they can still say
+why: the launcher writes each ended process's status into a directory named
+by ``DTENSOR_LAUNCH_STATUS_DIR``; processes that joined the job with
+:func:`dtensor.initialize` read it, print one line naming the lost process
+("process 1 was killed by signal 9 (SIGKILL)") and exit with 75 by
+themselves. Those get ``report_s`` seconds to do so; the rest, and any still
+running then, get SIGTERM to their own pids, then SIGKILL after ``grace_s``.
+(SIGTERM is left for real preemption notices: JAX's preemption notifier
+catches it in a joined process.)
 
 It is how multi-host code is tried on one machine, and how dtensor's own
 multi-process tests run.
@@ -21,25 +32,29 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
-from dtensor.runtime.process import (
+from dtensor.runtime.cluster import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_STATUS_DIR,
 )
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST, EXIT_TIMEOUT, describe
+from dtensor.runtime.peers import LAUNCHER_FILE
 
 __all__ = ["LaunchResult", "free_port", "launch", "main"]
-
-EXIT_TIMEOUT = 124
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,7 +63,8 @@ class LaunchResult:
 
     Attributes:
         returncode: the first non-zero exit status among the processes, in
-            the order they ended (``128 + signal`` for a signal, ``124`` if the
+            the order they ended, other than 75 (a process that lost another)
+            when there is one (``128 + signal`` for a signal, ``124`` if the
             launch timed out), else 0.
         returncodes: each rank's own exit status, same convention; processes
             the launcher stopped show the signal that stopped them.
@@ -134,21 +150,66 @@ def _pump(
     stream.close()
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM every process still running, then SIGKILL what is left after ``grace_s``."""
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in alive:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for p in alive:
-        if p.poll() is None:
+class _Job:
+    """The launched processes, the order they ended in, and the status directory."""
+
+    def __init__(self, status_dir: Path) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.status_dir = status_dir
+        self.ended: list[tuple[int, int]] = []  # (rank, status) in the order seen
+
+    def poll(self) -> bool:
+        """Note processes that ended (writing their status for the others); whether any run."""
+        running = False
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code is None:
+                running = True
+            elif rank not in {r for r, _ in self.ended}:
+                self.ended.append((rank, code))
+                if code != 0:
+                    _write(self.status_dir / f"{rank}.status", str(code))
+        return running
+
+    def first_failure(self) -> tuple[int, int] | None:
+        """The first failure (rank, status), a cause preferred over a 75 (a lost peer's echo)."""
+        failures = [(r, _status(c)) for r, c in self.ended if c != 0]
+        causes = [f for f in failures if f[1] != EXIT_PEER_LOST]
+        return (causes or failures or [None])[0]
+
+    def stop(self, grace_s: float, report_s: float = 0.0) -> None:
+        """Let joined processes report and stop (``report_s``), then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + report_s
+        while self.poll() and time.monotonic() < deadline:
+            watching = [
+                p
+                for rank, p in enumerate(self.procs)
+                if p.poll() is None and (self.status_dir / f"{rank}.watching").exists()
+            ]
+            if not watching:
+                break
+            time.sleep(0.05)
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.poll() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in alive:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        self.poll()
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (readers never see half a file)."""
+    with contextlib.suppress(OSError):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def launch(
@@ -160,6 +221,7 @@ def launch(
     timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
     grace_s: float = 5.0,
+    report_s: float = 10.0,
     stop_on_failure: bool = True,
     out: IO[str] | None = None,
 ) -> LaunchResult:
@@ -176,6 +238,10 @@ def launch(
         env: extra environment variables for the processes (on top of this
             process's environment).
         grace_s: seconds between SIGTERM and SIGKILL when stopping processes.
+        report_s: when one process failed (or the timeout passed), how long
+            the processes that joined the job with :func:`dtensor.initialize`
+            get to name the lost process and exit by themselves (they
+            usually need about a second) before SIGTERM.
         stop_on_failure: stop the other processes when one fails (``False``
             lets each end by itself, e.g. to see how the others react).
         out: where to stream the prefixed output (default ``sys.stdout``).
@@ -209,18 +275,20 @@ def launch(
         base.pop(ENV_DEVICES_PER_PROCESS, None)
     argv = _command(cmd)
     lock = threading.Lock()
-    procs: list[subprocess.Popen[bytes]] = []
+    job = _Job(Path(tempfile.mkdtemp(prefix="dtensor-launch-")))
+    base[ENV_STATUS_DIR] = str(job.status_dir)
     sinks: list[list[str]] = [[] for _ in range(num_processes)]
     pumps: list[threading.Thread] = []
-    first: tuple[int, int] | None = None
+    failed = False
     timed_out = False
+    before_timeout: tuple[int, int] | None = None
     try:
         for rank in range(num_processes):
             proc_env = dict(base, **{ENV_PROCESS_ID: str(rank)})
             p = subprocess.Popen(
                 argv, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
-            procs.append(p)
+            job.procs.append(p)
             assert p.stdout is not None
             t = threading.Thread(
                 target=_pump, args=(rank, p.stdout, sinks[rank], sink, lock), daemon=True
@@ -228,48 +296,48 @@ def launch(
             t.start()
             pumps.append(t)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while [p.poll() for p in procs].count(None):  # poll every one (no short-circuit)
-            if first is None:
-                for rank, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        first = (rank, _status(p.returncode))
-                        break
-                if first is not None and stop_on_failure:
+        while job.poll():
+            first = job.first_failure()
+            if first is not None and not failed:
+                failed = True
+                if stop_on_failure:
                     _note(
                         sink,
                         lock,
-                        f"rank {first[0]} exited with status {first[1]}; stopping the others",
+                        f"rank {first[0]} {describe(job.procs[first[0]].returncode or 0)}; "
+                        "stopping the others",
                     )
-                    _stop(procs, grace_s)
+                    job.stop(grace_s, report_s)
                     break
             if deadline is not None and time.monotonic() > deadline:
-                timed_out = True
-                running = [r for r, p in enumerate(procs) if p.poll() is None]
+                timed_out, before_timeout = True, job.first_failure()
+                running = [r for r, p in enumerate(job.procs) if p.poll() is None]
                 _note(sink, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
-                _stop(procs, grace_s)
+                _write(
+                    job.status_dir / LAUNCHER_FILE,
+                    f"the job timed out after {timeout_s:g} s (dtensor.launch --timeout)",
+                )
+                job.stop(grace_s, report_s)
                 break
             time.sleep(0.05)
     finally:
-        _stop(procs, grace_s)
+        job.stop(grace_s)  # still running here only if the launcher itself was stopped
         for t in pumps:
             t.join(timeout=10)
-    codes = tuple(_status(p.returncode) for p in procs)
-    if first is None and not timed_out:
-        for rank, code in enumerate(codes):
-            if code != 0:
-                first = (rank, code)
-                break
-    if timed_out and first is None:
-        returncode, failed = EXIT_TIMEOUT, None
+        shutil.rmtree(job.status_dir, ignore_errors=True)
+    codes = tuple(_status(p.returncode) for p in job.procs)
+    first = before_timeout if timed_out else job.first_failure()
+    if timed_out and first is None:  # the processes stopped at the timeout did not fail
+        returncode, failed_rank = EXIT_TIMEOUT, None
     elif first is not None:
-        returncode, failed = first[1], first[0]
+        returncode, failed_rank = first[1], first[0]
     else:
-        returncode, failed = 0, None
+        returncode, failed_rank = 0, None
     return LaunchResult(
         returncode=returncode,
         returncodes=codes,
         outputs=tuple("".join(s) for s in sinks),
-        failed_rank=failed,
+        failed_rank=failed_rank,
         timed_out=timed_out,
     )
 
@@ -292,6 +360,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     p.add_argument("--timeout", type=float, default=None, help="overall limit in seconds")
     p.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
+    p.add_argument(
+        "--report",
+        type=float,
+        default=10.0,
+        help="seconds joined processes get to report a failed peer and exit before SIGTERM",
+    )
     p.add_argument(
         "--keep-going",
         action="store_true",
@@ -323,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port,
             timeout_s=args.timeout,
             grace_s=args.grace,
+            report_s=args.report,
             stop_on_failure=not args.keep_going,
         )
     except ValueError as e:

@@ -10,22 +10,22 @@ XLA's collectives: gloo on CPU, NCCL on GPU, ICI/DCN on TPU). What it adds:
   VMs, SLURM, Open MPI, Kubernetes), then a TensorFlow ``TF_CONFIG`` JSON.
   Nothing found means one process, and every function here still works.
 - **Failing fast and by name.** A coordinator that cannot be reached is an
-  error naming its address within ``timeout_s``. A peer that dies mid-run
-  (or stops heartbeating) makes every other process print which process was
-  lost and exit with status :data:`EXIT_PEER_LOST` within
-  ``heartbeat_timeout_s`` (plus a few seconds); an uncaught exception in one
-  process ends that process at once (no shutdown barrier to hang on), so the
-  others follow within the same bound.
+  error naming its address within ``timeout_s``. A process that ends with a
+  non-zero status (``sys.exit(N)``, an uncaught exception) records it and
+  leaves at once (no shutdown barrier to hang on); one that is killed or
+  stops heartbeating is noticed within ``heartbeat_timeout_s``; the
+  coordinator's death is noticed at once. Every other process then prints
+  one line naming the lost process and what happened, and exits with status
+  :data:`EXIT_PEER_LOST` (:mod:`dtensor.runtime.peers`; every status is
+  listed in :mod:`dtensor.runtime.exit_codes`).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import errno
 import os
-import re
 import socket
 import sys
 import threading
@@ -33,6 +33,9 @@ import time
 from typing import Any
 
 import jax
+
+from dtensor import compat
+from dtensor.runtime import peers
 
 __all__ = [
     "ClusterConfigError",
@@ -71,167 +74,63 @@ from dtensor.runtime.cluster import resolve_cluster as resolve_cluster
 class _State:
     spec: ClusterSpec | None = None
     initialized: bool = False
-    watchdog: _Watchdog | None = None
+    monitor: peers.PeerMonitor | None = None
     atexit_registered: bool = False
     barrier_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     previous_excepthook: Any = None
+    previous_exit: Any = None
+    exit_status: int = 0
+    shutdown_timeout_s: float = 120
 
 
 _state = _State()
 _lock = threading.Lock()
-
-
-def _die(message: str, code: int = EXIT_PEER_LOST) -> None:
-    """Print ``message`` and end this process now (no atexit, no shutdown barrier)."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-_ALIVE = "dtensor/alive/"
-_DONE = "done"
-
-
-class _Watchdog:
-    """Each process's liveness, through the coordination service's key-value store.
-
-    Every ``period`` seconds each process bumps its counter under
-    ``dtensor/alive/<id>`` and reads the others'. A counter that has not moved
-    for ``timeout`` seconds names a lost process; a store that cannot be
-    reached means the coordinator (process 0) is gone. Either way this
-    process prints who was lost and exits with :data:`EXIT_PEER_LOST`, well
-    before JAX's own heartbeat (set longer) would abort it with a C++ trace.
-    A process that finishes normally writes ``done`` first.
-    """
-
-    def __init__(self, client: Any, me: int, n: int, address: str, timeout: float) -> None:
-        self.client, self.me, self.n, self.address = client, me, n, address
-        self.timeout = float(timeout)
-        self.period = max(0.2, min(1.0, self.timeout / 5))
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="dtensor-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def finish(self) -> None:
-        """Stop watching and tell the others this process ended on purpose."""
-        if self.stop.is_set():
-            return
-        self.stop.set()
-        self.thread.join(timeout=5)
-        with contextlib.suppress(Exception):
-            self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        seen: dict[int, tuple[str | None, float]] = {i: (None, start) for i in range(self.n)}
-        beat = 0
-        failing_since: float | None = None
-        while not self.stop.is_set():
-            beat += 1
-            try:
-                self.client.key_value_set(f"{_ALIVE}{self.me}", str(beat), allow_overwrite=True)
-                entries = self.client.key_value_dir_get(_ALIVE)
-                failing_since = None
-            except Exception as e:  # the store is process 0's: it may be gone
-                now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
-                if self.stop.is_set():
-                    return
-                if now - failing_since >= 3 * self.period:  # not a one-off RPC hiccup
-                    _die(self._lost_message([0] if self.me != 0 else [], str(e)))
-                    return
-                self.stop.wait(self.period)
-                continue
-            now = time.monotonic()
-            for key, value in entries:
-                with contextlib.suppress(ValueError):
-                    i = int(key.rstrip("/").rsplit("/", 1)[-1])
-                    if seen.get(i, (None, 0.0))[0] != value:
-                        seen[i] = (value, now)
-            lost = [
-                i
-                for i, (value, when) in seen.items()
-                if i != self.me and value != _DONE and now - when > self.timeout
-            ]
-            if lost and not self.stop.is_set():
-                _die(self._lost_message(lost, f"no sign of life for {self.timeout:g} s"))
-                return
-            self.stop.wait(self.period)
-
-    def _lost_message(self, lost: list[int], detail: str) -> str:
-        if lost == [0] and self.me != 0:
-            who = f"process 0 (the coordinator at {self.address})"
-        elif lost:
-            who = "process " + ", ".join(map(str, lost))
-        else:
-            who = "the coordination service"
-        return (
-            f"dtensor.runtime: process {self.me} of {self.n} lost {who}: it exited, was killed, "
-            f"or stopped responding ({detail.strip()}). Stopping process {self.me} with exit "
-            f"status {EXIT_PEER_LOST} so the job fails instead of hanging; look for the first "
-            "error in the lost process's own output."
-        )
-
-
-_RUNTIME_STATUS = re.compile(
-    r"^(UNKNOWN|UNAVAILABLE|INTERNAL|ABORTED|DEADLINE_EXCEEDED|CANCELLED|FAILED_PRECONDITION): "
-    r"|gloo|nccl|connection (closed|reset|refused)",
-    re.IGNORECASE,
-)
-
-
-def _maybe_peer_failure(exc_type: Any, exc: Any) -> bool:
-    """Whether an uncaught exception looks like a collective failing for a lost peer.
-
-    XLA reports runtime failures as ``JaxRuntimeError``, and some (gloo's
-    "Connection closed by peer") as a ``ValueError`` whose text starts with
-    an absl status code.
-    """
-    return issubclass(exc_type, jax.errors.JaxRuntimeError) or bool(
-        _RUNTIME_STATUS.search(str(exc))
-    )
+_SYS_EXIT = sys.exit
 
 
 def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
-    """Uncaught exception in a multi-process job: report it and leave at once.
+    """Uncaught exception in a multi-process job: report it, record status 1 and leave at once.
 
     Waiting in JAX's shutdown barrier would hang this process while the
-    others wait in a collective for it; exiting lets them see it is gone. An
-    XLA runtime error is often a collective failing because a peer died, so
-    for those the watchdog first gets one heartbeat timeout to name the lost
-    process (it then ends this process with :data:`EXIT_PEER_LOST`).
+    others wait in a collective for it; leaving (with an exit record) lets
+    them name it. A collective that failed because a peer was lost ends with
+    that peer named instead (:func:`dtensor.runtime.peers.await_loss`).
     """
     hook = _state.previous_excepthook or sys.__excepthook__
     try:
+        peers.await_loss(_state.monitor, exc_type, exc)  # a lost peer's echo: name the peer
         hook(exc_type, exc, tb)
-        watchdog = _state.watchdog
-        if watchdog is not None and _maybe_peer_failure(exc_type, exc):
-            sys.stderr.write(
-                f"dtensor.runtime: process {client_id()} of {num_clients()} got an XLA runtime "
-                f"error; checking for up to {watchdog.timeout:g} s whether another process "
-                "was lost.\n"
-            )
-            sys.stderr.flush()
-            watchdog.stop.wait(watchdog.timeout + 3 * watchdog.period)
-        sys.stderr.write(
-            f"dtensor.runtime: process {client_id()} of {num_clients()} stopped by an uncaught "
-            f"{exc_type.__name__}; the other processes will stop too.\n"
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
+        peers.report_uncaught(_state.monitor, exc_type)
     finally:
         os._exit(1)
 
 
-def _backends_started() -> bool:
-    from jax._src import xla_bridge
+def _recording_exit(status: Any = None) -> None:
+    """``sys.exit`` while in a job: remember the status the main thread asks for, then exit."""
+    if threading.current_thread() is threading.main_thread():
+        if status is None:
+            _state.exit_status = 0
+        elif isinstance(status, int) and not isinstance(status, bool):
+            _state.exit_status = status & 0xFF  # what the OS reports, as for exit(3) in C
+        else:  # a message: Python prints it and exits with 1
+            _state.exit_status = 1
+    (_state.previous_exit or _SYS_EXIT)(status)
 
-    return xla_bridge.backends_are_initialized()
+
+def _at_exit() -> None:
+    """Runs before JAX's own exit hook (which holds the shutdown barrier).
+
+    A non-zero ``sys.exit`` status is recorded for the others and the process
+    leaves with it now; a normal end waits, still watching, for the others to
+    end too, so the barrier after it cannot hang on a failed process.
+    """
+    monitor = _state.monitor
+    if monitor is None or monitor.stop.is_set():
+        return
+    status = _state.exit_status
+    if status != 0:
+        monitor.leave(status, f"exited with status {status}")
+    monitor.finish(_state.shutdown_timeout_s)
 
 
 def _configure_cpu(local_device_count: int | None) -> None:
@@ -253,7 +152,7 @@ def initialize(
     *,
     local_device_count: int | None = None,
     timeout_s: float = 60,
-    heartbeat_timeout_s: float = 20,
+    heartbeat_timeout_s: float = 15,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
 ) -> ClusterSpec | None:
@@ -267,6 +166,12 @@ def initialize(
     ``DTENSOR_DEVICES_PER_PROCESS``), that many simulated devices. Process 0
     prints one table of the resolved cluster.
 
+    In a multi-process job it also starts watching the other processes
+    (:mod:`dtensor.runtime.peers`) and, until :func:`shutdown`, replaces
+    ``sys.excepthook`` and ``sys.exit`` (to learn this process's exit status;
+    a ``raise SystemExit(N)`` that bypasses ``sys.exit`` is not seen, and such
+    a process ends as if with status 0 while the others wait for it).
+
     Args:
         coordinator_address: ``host:port`` of process 0 (which runs the
             coordination service there).
@@ -275,13 +180,17 @@ def initialize(
         local_device_count: CPU devices to simulate in this process.
         timeout_s: how long to wait for the coordinator and all processes to
             join before failing.
-        heartbeat_timeout_s: how long a silent process may go before the
-            others declare it lost and exit with :data:`EXIT_PEER_LOST`.
+        heartbeat_timeout_s: how long a silent process (killed, hung) may go
+            before the others declare it lost and exit with
+            :data:`EXIT_PEER_LOST` (with the default, a killed process is
+            named within about 20 s; under :mod:`dtensor.launch`, which
+            reports its status, within about a second). A process that ends
+            with a non-zero ``sys.exit(N)`` or an uncaught exception, and the
+            coordinator's death, are noticed at once (about a second).
         shutdown_timeout_s: how long a finished process waits at exit for
-            the others to finish too (JAX's shutdown barrier). A process that
-            ends with a non-zero ``sys.exit`` while the others wait for it in
-            a collective fails the job only after this long; uncaught
-            exceptions do not wait.
+            the others to finish too (JAX's shutdown barrier); it stops
+            waiting, with :data:`EXIT_PEER_LOST`, as soon as one of them is
+            lost.
         summary: print the cluster table on process 0.
 
     Returns:
@@ -323,10 +232,10 @@ def initialize(
                 "Call it once per process (or dtensor.shutdown() first)."
             )
         if spec is None:  # one process: nothing to join
-            if local_device_count is not None and not _backends_started():
+            if local_device_count is not None and not compat.backends_initialized():
                 _configure_cpu(local_device_count)
             return None
-        if _backends_started():
+        if compat.backends_initialized():
             raise DistributedRuntimeError(
                 f"dtensor.initialize() for a {spec.num_processes or 'multi'}-process job (from "
                 f"{spec.source}) was called after JAX had started its backends; got a process "
@@ -341,10 +250,12 @@ def initialize(
             shutdown_timeout_s=shutdown_timeout_s,
         )
         _state.initialized, _state.spec = True, spec
-        _state.previous_excepthook = sys.excepthook
-        sys.excepthook = _excepthook
+        _state.shutdown_timeout_s = shutdown_timeout_s
+        _state.previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
+        _state.previous_exit, _state.exit_status = sys.exit, 0
+        sys.exit = _recording_exit
         if not _state.atexit_registered:  # runs before JAX's own shutdown (registered earlier)
-            atexit.register(_finish_watchdog)
+            atexit.register(_at_exit)
             _state.atexit_registered = True
     devices = jax.devices()  # every process starts its backend: a collective step
     if summary and client_id() == 0:
@@ -403,8 +314,6 @@ def _check_port_free(spec: ClusterSpec) -> None:
 def _connect(
     spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
 ) -> ClusterSpec:
-    from jax._src import distributed
-
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
         _wait_for_coordinator(spec, deadline)
@@ -414,7 +323,7 @@ def _connect(
 
     def join_timeout() -> None:
         if not joined.wait(max(0.0, deadline - time.monotonic())):
-            _die(
+            peers.die(
                 f"dtensor.initialize(): process {spec.process_id} of "
                 f"{spec.num_processes or '?'}: not all processes joined the job at coordinator "
                 f"{spec.coordinator_address} (from {spec.source}) within {timeout_s:g} s. Start "
@@ -442,27 +351,25 @@ def _connect(
             "address and that its port is free on process 0's host."
         ) from None
     joined.set()
-    state = distributed.global_state
+    if spec.process_id is None or spec.num_processes is None:  # JAX detected the cluster
+        spec = dataclasses.replace(
+            spec, num_processes=jax.process_count(), process_id=jax.process_index()
+        )
     spec = dataclasses.replace(
-        spec,
-        coordinator_address=state.coordinator_address,
-        num_processes=state.num_processes,
-        process_id=state.process_id,
+        spec, coordinator_address=compat.coordinator_address() or spec.coordinator_address
     )
-    _state.watchdog = _Watchdog(
-        state.client,
-        state.process_id,
-        state.num_processes,
-        str(state.coordinator_address),
+    assert spec.process_id is not None and spec.num_processes is not None
+    monitor = peers.PeerMonitor.from_env(
+        compat.distributed_client(),
+        spec.process_id,
+        spec.num_processes,
+        spec.coordinator_address,
         heartbeat_timeout_s,
     )
-    _state.watchdog.start()
+    _state.monitor = monitor
+    monitor.start()
+    peers.install_abort_hook(monitor)
     return spec
-
-
-def _finish_watchdog() -> None:
-    if _state.watchdog is not None:
-        _state.watchdog.finish()
 
 
 def _print_summary(spec: ClusterSpec, devices: list[Any]) -> None:
@@ -499,9 +406,9 @@ def client_id() -> int:
         >>> dtensor.client_id()
         0
     """
-    from jax._src import distributed
-
-    return int(distributed.global_state.process_id) if is_initialized() else 0
+    if _state.spec is not None and _state.spec.process_id is not None:
+        return _state.spec.process_id
+    return jax.process_index() if is_initialized() else 0
 
 
 def num_clients() -> int:
@@ -512,9 +419,9 @@ def num_clients() -> int:
         >>> dtensor.num_clients()
         1
     """
-    from jax._src import distributed
-
-    return int(distributed.global_state.num_processes) if is_initialized() else 1
+    if _state.spec is not None and _state.spec.num_processes is not None:
+        return _state.spec.num_processes
+    return jax.process_count() if is_initialized() else 1
 
 
 def barrier(name: str, *, timeout_s: float = 60) -> None:
@@ -539,11 +446,7 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
             f"barrier name {name!r} is not valid; give a non-empty string naming the "
             "point all processes wait at, e.g. barrier('checkpoint-saved')."
         )
-    if not is_initialized():
-        return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = compat.distributed_client()
     if client is None:
         return
     count = _state.barrier_counts.get(name, 0)
@@ -567,11 +470,16 @@ def shutdown() -> None:
         >>> dtensor.shutdown()
     """
     with _lock:
-        _finish_watchdog()
-        _state.watchdog = None
+        if _state.monitor is not None:
+            _state.monitor.finish(_state.shutdown_timeout_s)
+            peers.uninstall_abort_hook()
+        _state.monitor = None
         if is_initialized():
             jax.distributed.shutdown()
         if _state.previous_excepthook is not None and sys.excepthook is _excepthook:
             sys.excepthook = _state.previous_excepthook
+        if _state.previous_exit is not None and sys.exit is _recording_exit:
+            sys.exit = _state.previous_exit
         _state.spec, _state.initialized, _state.previous_excepthook = None, False, None
+        _state.previous_exit = None
         _state.barrier_counts.clear()

@@ -1,8 +1,16 @@
-"""Worker for failure tests. argv[1] is the scenario:
+"""Worker for failure tests: ``faults.py SCENARIO HEARTBEAT_S [ADDRESS NUM_PROCESSES ID]``.
+
+Under dtensor.launch the job comes from the launcher's variables; with the
+last three arguments it is joined as separate hosts would (no launcher).
+The scenarios:
 
 - ``kill``: process 1 SIGKILLs itself mid-run; the others keep running
   collectives until the runtime notices and stops them.
 - ``raise``: process 1 raises after the first steps.
+- ``exit3``: process 1 ends with ``sys.exit(3)`` after the first steps.
+- ``clean``: every process runs a few steps and ends normally, process 0 a
+  few seconds after the others.
+- ``loop``: every process runs steps until it is stopped.
 - ``kill_coordinator``: process 0 (which runs the coordination service)
   SIGKILLs itself mid-run.
 - ``wrong_address``: join a coordinator where nothing listens (as process 1).
@@ -15,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def closed_port() -> int:
@@ -53,7 +62,11 @@ def main() -> None:
         dtensor.initialize(f"127.0.0.1:{closed_port()}", 2, 0, timeout_s=3)
         sys.exit("initialize did not fail")
 
-    dtensor.initialize(heartbeat_timeout_s=float(sys.argv[2]), timeout_s=60)
+    if len(sys.argv) > 3:  # as on separate hosts: no launcher
+        address, n, pid = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+        dtensor.initialize(address, n, pid, heartbeat_timeout_s=float(sys.argv[2]), timeout_s=60)
+    else:
+        dtensor.initialize(heartbeat_timeout_s=float(sys.argv[2]), timeout_s=60)
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -67,16 +80,33 @@ def main() -> None:
     )
     step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh.jax_mesh, P()))
     dtensor.barrier("start")
+    if scenario == "clean":
+        for _ in range(3):
+            float(step(x))
+        dtensor.barrier("steps-done")
+        if me == 0:
+            time.sleep(3)  # the others reach the end first and wait for process 0
+        print(f"process {me} finished", flush=True)
+        if me != 0:
+            sys.exit(0)  # an explicit 0 is a normal end too
+        return
+    if scenario == "loop":
+        print(f"process {me} looping", flush=True)
     for i in range(100_000):
+        if scenario == "exit3" and me == 1 and i == 3:
+            print("process 1 going away", flush=True)
+            sys.exit(3)
         if scenario == "kill_coordinator" and me == 0 and i == 3:
             print("process 0 going away", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if scenario != "kill_coordinator" and me == 1 and i == 3:
+        if scenario in ("kill", "raise") and me == 1 and i == 3:
             print("process 1 going away", flush=True)
             if scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("process 1 failed on purpose")
         float(step(x))
+        if scenario == "loop":
+            time.sleep(0.05)
     sys.exit("the loop ended without the failure being noticed")
 
 
