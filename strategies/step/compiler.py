@@ -15,6 +15,7 @@ What it asks of the strategy are its public policies and preset hooks:
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +27,10 @@ from flax import nnx
 import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
-from dtensor.core.tree import is_node, is_variable, leaf_value, replace_value
+from dtensor.core.text import sizes_text
+from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
 from strategies import context
+from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
 from strategies.values import PerReplica, ReplicaContext
@@ -72,6 +75,7 @@ class StepCompiler:
         nodes = [v for v in flat if is_node(v)]
         cached = self.graphs.get(nodes) if nodes and cache_graph else None
         graphdef, state, layouts = self._node_state(nodes, cached)
+        self._check_rows(with_paths)
         kinds: list[Any] = []
         arrays: list[Any] = []
         for path, v in with_paths:
@@ -93,7 +97,13 @@ class StepCompiler:
         if nodes:
             state = self._relayout(state, layouts, compute=True)
         with s.mesh:  # traced under the strategy's mesh, in scope() or not
-            new_state, out = compiled(state, arrays)
+            try:
+                new_state, out = compiled(state, arrays)
+            except ValueError as err:  # JAX's, from tracing the user's step
+                ours = explicit_axes_error(err, s, "run()")
+                if ours is None:
+                    raise
+                raise ours from None
         if nodes:
             stored = self._relayout(new_state, layouts, compute=False)
             if cached is None:
@@ -218,14 +228,50 @@ class StepCompiler:
             if mesh is not None:
                 return v
         layout = s.batch_layout(np.ndim(v))
-        if np.ndim(v) and np.shape(v)[0] % max(layout.num_shards(0), 1):
-            n = s.num_replicas_in_sync
-            raise LayoutError(
-                f"the global batch (argument {name}, shape {np.shape(v)}) has {np.shape(v)[0]} "
-                f"rows, which does not divide over the {n} replicas of {s!r}. Use a global batch "
-                f"that is a multiple of {n}, or distribute the dataset with pad=True."
-            )
         return dtensor.copy_to_mesh(np.asarray(v) if not isinstance(v, jax.Array) else v, layout)
+
+    def _check_rows(self, with_paths: list[tuple[Any, Any]]) -> None:
+        """One error for batch arrays whose rows do not divide over the replicas.
+
+        Arrays already on the mesh keep their layouts and are not checked here.
+        A ragged batch (arrays of different leading sizes) is described by its
+        distinct sizes, not leaf by leaf.
+        """
+        s = self.strategy
+        rows: list[tuple[str, int]] = []
+        bad: list[tuple[str, Any]] = []
+        shards: dict[int, int] = {}  # rank -> shards of dimension 0 in the batch layout
+        for path, v in with_paths:
+            if (
+                argkinds.kind_of(v) is not argkinds.ARRAY
+                or not np.ndim(v)
+                or mesh_of(v) is not None
+            ):
+                continue
+            name, shape = argkinds.arg_name(path), np.shape(v)
+            rows.append((name, shape[0]))
+            if len(shape) not in shards:
+                shards[len(shape)] = max(s.batch_layout(len(shape)).num_shards(0), 1)
+            if shape[0] % shards[len(shape)]:
+                bad.append((name, shape))
+        if not bad:
+            return
+        n = s.num_replicas_in_sync
+        if len({r for _, r in rows}) > 1:
+            odd = sorted({shape[0] for _, shape in bad})
+            raise LayoutError(
+                f"the global batch's arrays have different leading sizes: {sizes_text(rows)}; "
+                f"{' and '.join(map(str, odd))} {'does' if len(odd) == 1 else 'do'} not divide over "
+                f"the {n} replicas of {s!r}. Every array of a batch needs the same number of rows, "
+                f"a multiple of {n}: pad or trim the odd ones, or close over arrays that are not "
+                "per-example data in the step instead of passing them."
+            )
+        name, shape = bad[0]
+        raise LayoutError(
+            f"the global batch (argument {name}, shape {shape}) has {shape[0]} rows, which does "
+            f"not divide over the {n} replicas of {s!r}. Use a global batch that is a multiple of "
+            f"{n}, or distribute the dataset with pad=True."
+        )
 
     # --------------------------------------------------------------- compile
     def _compile(
@@ -357,16 +403,37 @@ class StepCompiler:
             kinds.append(kind)
         compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
         with s.mesh:
-            return explain(
-                compiled,
-                state,
-                arrays,
-                variables=state,
-                rules=rules,
-                data_axes=s.batch_axes,
-                expect_sharded=s.shards_variables,
-                activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
-            )
+            try:
+                report = explain(
+                    compiled,
+                    state,
+                    arrays,
+                    variables=state,
+                    rules=rules,
+                    data_axes=s.batch_axes,
+                    expect_sharded=s.shards_variables,
+                    activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
+                )
+            except ValueError as err:  # JAX's, from tracing the user's step
+                ours = explicit_axes_error(err, s, "explain()")
+                if ours is None:
+                    raise
+                raise ours from None
+        extra = self._layout_findings(state)
+        return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
+
+    def _layout_findings(self, state: Any) -> tuple[Any, ...]:
+        """The strategy's own findings about its variables' layouts, with the report's paths."""
+        from dtensor.analysis.report import Finding
+
+        if state is None:
+            return ()
+        out = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable):
+            p = path_str(path)
+            rel = p.split("/", 1)[1] if "/" in p else p  # the path rules see (node index dropped)
+            out += [Finding(kind, p, msg) for kind, msg in self.strategy.layout_findings(rel, leaf)]
+        return tuple(out)
 
 
 def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
