@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from dtensor import Mesh
-from dtensor.checkpoint.checkpointer import Checkpointer
+from dtensor.checkpoint import Checkpointer
 from dtensor.core.tree import is_node
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "RESTARTABLE_EXIT_CODE"]

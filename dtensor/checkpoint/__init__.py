@@ -14,11 +14,11 @@ Examples:
 """
 
 from dtensor.checkpoint.checkpointer import Checkpointer as Checkpointer
-from dtensor.checkpoint.checkpointer import read_manifest as read_manifest
-from dtensor.checkpoint.checkpointer import restore as restore
-from dtensor.checkpoint.checkpointer import save as save
 from dtensor.checkpoint.errors import CheckpointError as CheckpointError
 from dtensor.checkpoint.errors import DamagedCheckpointError as DamagedCheckpointError
+from dtensor.checkpoint.oneshot import read_manifest as read_manifest
+from dtensor.checkpoint.oneshot import restore as restore
+from dtensor.checkpoint.oneshot import save as save
 from dtensor.checkpoint.verify import StepCheck as StepCheck
 from dtensor.checkpoint.verify import verify as verify
 

@@ -62,7 +62,7 @@ from dtensor.checkpoint.quiet import quiet_orbax
 from dtensor.checkpoint.targets import finish_saved, is_policy, saved_abstract, target_abstract
 from dtensor.core.mesh import Mesh
 
-__all__ = ["Checkpointer", "CheckpointError", "save", "restore", "read_manifest"]
+__all__ = ["Checkpointer", "CheckpointError"]
 
 _STATE, _MANIFEST = "state", "manifest"
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -368,7 +368,7 @@ class Checkpointer:
             with quiet_orbax():
                 meta = self._manager.item_metadata(step)[_STATE] if saved else None
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore errors, re-raised as ours
-            raise integrity.read_failure(step_dir, step, where, files, records, e) from None
+            raise self._read_failure(step, files, records, e) from None
         if saved:
             abstract = saved_abstract(getattr(meta, "tree", meta), target, by_path)
         else:
@@ -380,7 +380,7 @@ class Checkpointer:
             with quiet_orbax():
                 restored = self._manager.restore(step, args=args)[_STATE]
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore errors, re-raised as ours
-            raise integrity.read_failure(step_dir, step, where, files, records, e) from None
+            raise self._read_failure(step, files, records, e) from None
         if records is not None:
             bad, _ = integrity.check_arrays(restored, records)
             if integrity.agree(len(bad)):
@@ -388,6 +388,20 @@ class Checkpointer:
         if saved:
             return finish_saved(restored, by_path, target)
         return rebuild(target, restored)
+
+    def _read_failure(
+        self, step: int, files: dict, records: integrity.Records | None, error: BaseException
+    ) -> CheckpointError:
+        """Our error for an orbax failure: the damaged file and array when the records tell."""
+        if not files:  # restored without verification: the records may still explain it
+            try:
+                _, records, files = self.quick_check(step)
+            except DamagedCheckpointError as e:
+                return e
+            except CheckpointError:
+                pass
+        where = str(self.directory)
+        return integrity.read_failure(self.step_dir(step), step, where, files, records, error)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -405,82 +419,3 @@ class Checkpointer:
             f"Checkpointer({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
             f"save_interval_steps={self.save_interval_steps})"
         )
-
-
-# ------------------------------------------------------------ one-shot helpers
-def existing(directory: str | os.PathLike[str]) -> Checkpointer:
-    if not Path(directory).is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {str(directory)!r} does not exist. Check the path, or save a "
-            "checkpoint there first."
-        )
-    return Checkpointer(directory, create=False, async_save=False)
-
-
-def save(directory: str | os.PathLike[str], tree: Any, *, step: int | None = None) -> int:
-    """Save ``tree`` into ``directory`` and wait until it is on disk; returns the step.
-
-    Args:
-        directory: the checkpoint directory (created when missing).
-        tree: any pytree of arrays, NNX modules/optimizers, Linen params,
-            optax states.
-        step: the step number; default: one more than the latest (0 at first).
-
-    Examples:
-        >>> import dtensor, jax.numpy as jnp, tempfile
-        >>> mesh = dtensor.create_mesh([("x", 8)])
-        >>> d = tempfile.mkdtemp()
-        >>> w = dtensor.copy_to_mesh(jnp.arange(8.0), dtensor.Layout(["x"], mesh))
-        >>> dtensor.checkpoint.save(d, {"w": w})
-        0
-        >>> one = dtensor.create_mesh([("x", 1)])
-        >>> out = dtensor.checkpoint.restore(d, {"w": dtensor.Layout(["x"], one)})
-        >>> out["w"].sharding.num_devices, float(out["w"].sum())
-        (1, 28.0)
-    """
-    with Checkpointer(directory, async_save=False) as ckpt:
-        if step is None:
-            latest = ckpt.latest_step()
-            step = 0 if latest is None else latest + 1
-        ckpt.save(step, tree, force=True)
-        ckpt.wait()
-    return step
-
-
-def restore(
-    directory: str | os.PathLike[str],
-    target: Any = None,
-    *,
-    step: int | None = None,
-    verify: bool = True,
-) -> Any:
-    """Restore a checkpoint from ``directory`` (default: its latest complete step).
-
-    ``target`` is described in the module docstring: ``None``, a mesh, a
-    layout policy (``LayoutMap``, function, strategy), or a pytree of
-    layouts / live arrays / ``ShapeDtypeStruct`` s / NNX objects. Every array
-    is checked against the checksums recorded when it was written (unless
-    ``verify=False``); without ``step=`` a damaged step is skipped with a
-    warning and the newest intact one restored.
-
-    Raises:
-        CheckpointError: the directory is missing, holds no complete (or no
-            intact) step, ``step`` is damaged, or ``target`` does not match.
-    """
-    with existing(directory) as ckpt:
-        return ckpt.restore(step, target, verify=verify)
-
-
-def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """The JSON manifest of a step: mesh, per-array path/shape/dtype/layout, versions.
-
-    Examples:
-        >>> import dtensor, jax.numpy as jnp, tempfile
-        >>> d = tempfile.mkdtemp()
-        >>> _ = dtensor.checkpoint.save(d, {"w": jnp.zeros((2, 3))}, step=5)
-        >>> m = dtensor.checkpoint.read_manifest(d)
-        >>> m["step"], [(e["path"], e["shape"], e["dtype"]) for e in m["leaves"]]
-        (5, [('w', [2, 3], 'float32')])
-    """
-    with existing(directory) as ckpt:
-        return ckpt.manifest(step)

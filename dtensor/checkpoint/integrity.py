@@ -306,7 +306,7 @@ def read_failure(
         return damaged(step, where, bad.problem, array=array, file=bad.file)
     text = str(error).strip()
     first = text.splitlines()[0].split(" See full TensorStore details")[0][:300] if text else ""
-    first = first or type(error).__name__
+    first = first.rstrip(".") or type(error).__name__
     return CheckpointError(
         f"orbax could not read checkpoint step {step} in {where!r}: {first}. Check the step with "
         "`python -m dtensor.checkpoint verify DIR`, or restore another step."

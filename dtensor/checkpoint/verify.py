@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 from dtensor.checkpoint import integrity
-from dtensor.checkpoint.checkpointer import Checkpointer, existing
+from dtensor.checkpoint.checkpointer import Checkpointer
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from dtensor.checkpoint.oneshot import existing
 
 __all__ = ["StepCheck", "check_steps", "verify"]
 
