@@ -203,6 +203,21 @@ def test_every_step_damaged(ckpt_dir):
     assert len(seen) == 2
 
 
+def test_step_written_before_checksums_existed_is_unverified_not_damaged(ckpt_dir):
+    """A format-1 step (no ``checksums`` item, no ``kind``) restores as before."""
+    import json
+
+    shutil.rmtree(ckpt_dir / "1" / "checksums")
+    manifest_file = ckpt_dir / "1" / "manifest" / "metadata"
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_text(json.dumps(dict(manifest, format=1)))
+    assert bits(checkpoint.restore(ckpt_dir, step=1)["w"]) == bits(state(1)["w"])
+    assert [(c.step, c.status) for c in checkpoint.verify(ckpt_dir)] == [
+        (1, "unverified"),
+        (2, "ok"),
+    ]
+
+
 # ----------------------------------------------------------- verify and CLI
 def test_verify_raises_naming_step_array_and_file(ckpt_dir):
     data_file = biggest_data_file(ckpt_dir / "2")

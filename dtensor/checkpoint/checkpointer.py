@@ -250,8 +250,9 @@ class Checkpointer:
         step = self._pending
         if step is None:
             return
-        tmp = sorted(self.directory.glob(f"{step}{_TMP_MARK}*"))
-        integrity.write_files_record(tmp[-1] if tmp else self.step_dir(step))
+        tmp = list(self.directory.glob(f"{step}{_TMP_MARK}*"))  # stale ones: older writes
+        newest = max(tmp, key=lambda p: p.stat().st_mtime_ns) if tmp else self.step_dir(step)
+        integrity.write_files_record(newest)
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
