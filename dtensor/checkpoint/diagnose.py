@@ -62,7 +62,7 @@ def find_array(step_dir: Path, records: dict[str, list[dict[str, Any]]]) -> str 
             for rec in records[path]:
                 index = tuple(slice(a, b) for a, b in rec["index"])
                 data = np.ascontiguousarray(arr[index].read().result())
-                if zlib.crc32(data.reshape(-1).view(np.uint8)) != rec["crc32"]:
+                if zlib.crc32(data.reshape(-1).view(np.uint8).data) != rec["crc32"]:
                     return path
         except Exception:  # noqa: BLE001 - any TensorStore failure means this array is unreadable
             return path

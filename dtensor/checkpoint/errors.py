@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["CheckpointError", "DamagedCheckpointError"]
 
 
@@ -18,6 +20,7 @@ class DamagedCheckpointError(CheckpointError):
             is in a file that holds no single array, e.g. the manifest).
         file: the damaged or missing file, relative to the step directory.
         problem: what is wrong, in a few words (``"a file is truncated ..."``).
+        checks: from :func:`dtensor.checkpoint.verify`, every step's verdict.
     """
 
     def __init__(
@@ -34,3 +37,4 @@ class DamagedCheckpointError(CheckpointError):
         self.array = array
         self.file = file
         self.problem = problem
+        self.checks: list[Any] = []

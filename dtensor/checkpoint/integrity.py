@@ -57,7 +57,7 @@ Records = dict[str, list[dict[str, Any]]]
 
 
 def _crc_bytes(a: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
@@ -298,7 +298,7 @@ def read_failure(
     files: dict[str, list[int]],
     records: Records | None,
     error: BaseException,
-) -> Exception:
+) -> CheckpointError:
     """Our error for an orbax/tensorstore failure: the damaged file (and array) when there is one."""
     bad = first_bad_file(step_dir, step, where, files) if files else None
     if bad is not None:

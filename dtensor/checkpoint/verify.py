@@ -96,6 +96,6 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
                 file=error.file,
                 problem=error.problem,
             )
-        error.checks = checks  # type: ignore[attr-defined]
+        error.checks = checks
         raise error
     return checks
