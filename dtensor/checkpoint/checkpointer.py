@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from dtensor.checkpoint.canonical import canon, rebuild
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.checkpoint.handler import checksum_args
 from dtensor.checkpoint.manifest import MANIFEST_FORMAT, prepare_save
-from dtensor.checkpoint.quiet import quiet_orbax
+from dtensor.checkpoint.quiet import collect_abandoned_reads, quiet_orbax
 from dtensor.checkpoint.targets import finish_saved, is_policy, saved_abstract, target_abstract
 from dtensor.core.mesh import Mesh
 
@@ -365,11 +366,12 @@ class Checkpointer:
         ocp = _ocp()
         saved = target is None or isinstance(target, Mesh) or is_policy(target)
         step_dir = self.step_dir(step)
-        try:
-            with quiet_orbax():
-                meta = self._manager.item_metadata(step)[_STATE] if saved else None
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore errors, re-raised as ours
-            raise self._read_failure(step, files, records, e) from None
+        meta = self._orbax(
+            step,
+            files,
+            records,
+            lambda: self._manager.item_metadata(step)[_STATE] if saved else None,
+        )
         if saved:
             abstract = saved_abstract(getattr(meta, "tree", meta), target, by_path)
         else:
@@ -377,11 +379,9 @@ class Checkpointer:
                 canon(target), by_path, f"checkpoint step {step} in {where!r}"
             )
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
-        try:
-            with quiet_orbax():
-                restored = self._manager.restore(step, args=args)[_STATE]
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore errors, re-raised as ours
-            raise self._read_failure(step, files, records, e) from None
+        restored = self._orbax(
+            step, files, records, lambda: self._manager.restore(step, args=args)[_STATE]
+        )
         if records is not None:
             bad, _ = integrity.check_arrays(restored, records)
             if integrity.agree(len(bad)):
@@ -389,6 +389,21 @@ class Checkpointer:
         if saved:
             return finish_saved(restored, by_path, target)
         return rebuild(target, restored)
+
+    def _orbax(
+        self, step: int, files: dict, records: integrity.Records | None, fn: Callable[[], Any]
+    ) -> Any:
+        """``fn()`` (an orbax call); a failure re-raised as our one error, orbax's debris cleared."""
+        try:
+            with quiet_orbax():
+                return fn()
+        except Exception as e:  # noqa: BLE001 - orbax/TensorStore errors, explained below
+            failure = self._read_failure(step, files, records, e)
+        # Raised out here, cut from orbax's exception, so that it (and the reads it abandoned) can go.
+        failure.__context__ = None
+        failure = failure.with_traceback(None)
+        collect_abandoned_reads()
+        raise failure
 
     def _read_failure(
         self, step: int, files: dict, records: integrity.Records | None, error: BaseException
