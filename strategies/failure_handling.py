@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from dtensor import Mesh
-from dtensor.checkpoint.checkpointer import Checkpointer
+from dtensor.checkpoint import Checkpointer
 from dtensor.compat import preemption_sync_manager
 from dtensor.core.tree import is_node
 from dtensor.runtime.exit_codes import EXIT_PREEMPTED
@@ -172,9 +172,8 @@ class PreemptionCheckpointHandler:
             )
         self._previous_handlers: dict[int, Any] = {}
         self._closed = False
-        latest = self._checkpointer.latest_step()
-        if latest is not None:
-            self._restore(latest)
+        if self._checkpointer.all_steps():
+            latest = self._restore_latest()
             self.total_run_calls = self._last_saved = latest
         if not self._sync_point and threading.current_thread() is threading.main_thread():
             for sig in signals:
@@ -190,17 +189,33 @@ class PreemptionCheckpointHandler:
         mesh = getattr(self.strategy, "mesh", None)
         return mesh if isinstance(mesh, Mesh) else None
 
-    def _restore(self, step: int) -> None:
+    def _restore_latest(self) -> int:
+        """Restore the newest intact step (damaged ones are skipped with a warning); its number.
+
+        Damaged steps newer than it are deleted, so that training can write
+        those step numbers again.
+        """
         target = dict(self.checkpoint)
         mesh = self._mesh()
         if mesh is not None:
             with mesh:
-                restored = self._checkpointer.restore(step, target)
+                restored = self._checkpointer.restore(None, target)
         else:
-            restored = self._checkpointer.restore(step, target)
+            restored = self._checkpointer.restore(None, target)
         for name, value in target.items():
             if not is_node(value):
                 self.checkpoint[name] = restored[name]  # type: ignore[index]
+        step = int(self._checkpointer.restored_step or 0)  # set by every successful restore
+        newer = [s for s in self._checkpointer.all_steps() if s > step]
+        if newer:
+            _log.warning(
+                "checkpoint steps %s are damaged; resuming from step %d and deleting them so "
+                "that those steps can be saved again",
+                newer,
+                step,
+            )
+            self._checkpointer.delete(newer)
+        return step
 
     def save(self, step: int | None = None) -> None:
         """Save the checkpoint objects now, as ``step`` (default ``total_run_calls``)."""

@@ -347,6 +347,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
     assert ckpt.save(2, {"w": jnp.ones(3)})
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2]
+    assert [c.status for c in checkpoint.verify(tmp_path)] == ["ok", "ok"]
     ckpt.close()
 
 

@@ -197,6 +197,36 @@ def test_plain_pytrees_are_replaced_in_the_holder(tmp_path):
     h2.close()
 
 
+def test_damaged_latest_step_is_skipped_and_training_resumes_from_the_previous(tmp_path):
+    model, opt = make_model()
+    h = PreemptionCheckpointHandler(
+        tmp_path, {"model": model, "opt": opt}, save_interval_steps=2, async_save=False
+    )
+    for _ in range(4):
+        h.run(sgd_step, model, opt)
+    h.close()
+    assert Checkpointer(tmp_path).all_steps() == [2, 4]
+    manifest = tmp_path / "4" / "manifest" / "metadata"
+    os.truncate(manifest, manifest.stat().st_size // 2)
+
+    replay, replay_opt = make_model()
+    for _ in range(2):
+        sgd_step(replay, replay_opt)
+    model2, opt2 = make_model()
+    with pytest.warns(UserWarning, match=r"skipping checkpoint step 4: .*manifest/metadata"):
+        h2 = PreemptionCheckpointHandler(
+            tmp_path, {"model": model2, "opt": opt2}, save_interval_steps=2, async_save=False
+        )
+    assert h2.total_run_calls == 2 and int(opt2.step[...]) == 2
+    assert model2.kernel[...].tobytes() == np.asarray(replay.kernel[...]).tobytes()
+    assert h2.checkpointer.all_steps() == [2]  # the damaged step is gone, so step 4 can be saved
+    for _ in range(2):
+        h2.run(sgd_step, model2, opt2)
+    h2.close()
+    assert Checkpointer(tmp_path).all_steps() == [2, 4]
+    assert [c.status for c in checkpoint.verify(tmp_path)] == ["ok", "ok"]
+
+
 def test_signal_in_a_step_saves_at_the_boundary_and_calls_exit_fn(tmp_path):
     exits = []
     model, opt = make_model()

@@ -1,5 +1,9 @@
 """Layout-aware checkpoints over orbax: save, restore into any mesh or layout, keep the last good step.
 
+Every shard is checksummed as it is written; a restore checks what it read,
+and :func:`verify` (or ``python -m dtensor.checkpoint verify DIR``) checks a
+directory without restoring it.
+
 Examples:
     >>> import tempfile, dtensor, jax.numpy as jnp
     >>> d = tempfile.mkdtemp()
@@ -10,9 +14,21 @@ Examples:
 """
 
 from dtensor.checkpoint.checkpointer import Checkpointer as Checkpointer
-from dtensor.checkpoint.checkpointer import CheckpointError as CheckpointError
-from dtensor.checkpoint.checkpointer import read_manifest as read_manifest
-from dtensor.checkpoint.checkpointer import restore as restore
-from dtensor.checkpoint.checkpointer import save as save
+from dtensor.checkpoint.errors import CheckpointError as CheckpointError
+from dtensor.checkpoint.errors import DamagedCheckpointError as DamagedCheckpointError
+from dtensor.checkpoint.oneshot import read_manifest as read_manifest
+from dtensor.checkpoint.oneshot import restore as restore
+from dtensor.checkpoint.oneshot import save as save
+from dtensor.checkpoint.verify import StepCheck as StepCheck
+from dtensor.checkpoint.verify import verify as verify
 
-__all__ = ["CheckpointError", "Checkpointer", "read_manifest", "restore", "save"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "DamagedCheckpointError",
+    "StepCheck",
+    "read_manifest",
+    "restore",
+    "save",
+    "verify",
+]
