@@ -27,7 +27,7 @@ import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
 from dtensor.core.tree import is_node, is_variable, leaf_value, replace_value
-from strategies import context
+from strategies import context, offload
 from strategies.step import args as argkinds
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
 from strategies.values import PerReplica, ReplicaContext
@@ -51,6 +51,7 @@ class StepCompiler:
         self.strategy = strategy
         self.compiled = LRUCache(max_compiled)
         self.layouts = LRUCache(max_compiled)
+        self.kinds = LRUCache(max_compiled)
         self.graphs = GraphCaches()
         self.monitor = RecompileMonitor()
         self._in_flight: collections.deque[Any] = collections.deque()
@@ -90,12 +91,13 @@ class StepCompiler:
             compiled = self._compile(fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica)
             self.compiled.put(key, compiled)
             self.monitor.compiled(fn)
+        kinds = self.memory_kinds(graph_key, state) if nodes else None
         if nodes:
-            state = self._relayout(state, layouts, compute=True)
+            state = self._relayout(state, layouts, compute=True, kinds=kinds)
         with s.mesh:  # traced under the strategy's mesh, in scope() or not
             new_state, out = compiled(state, arrays)
         if nodes:
-            stored = self._relayout(new_state, layouts, compute=False)
+            stored = self._relayout(new_state, layouts, compute=False, kinds=kinds)
             if cached is None:
                 nnx.update(tuple(nodes), stored)
             else:
@@ -162,12 +164,28 @@ class StepCompiler:
             mesh=self.strategy.mesh,
         )
 
+    def memory_kinds(self, key: Any, state: Any) -> Any:
+        """Each variable's memory kind between steps (``Strategy.memory_kind``), or ``None`` for all-device."""
+        found = self.kinds.get(key)
+        if found is None:
+            fn = self.strategy.memory_kind
+
+            def kind(path: Any, var: Any) -> str | None:
+                p = dtensor.core.tree.path_str(path)
+                return fn(p.split("/", 1)[1] if "/" in p else p, var) or "device"
+
+            tree = jax.tree_util.tree_map_with_path(kind, state, is_leaf=is_variable)
+            found = (tree if any(k != "device" for k in jax.tree.leaves(tree)) else None,)
+            self.kinds.put(key, found)
+        return found[0]
+
     def _place_state(self, state: Any, layouts: Any) -> Any:
         def place(var: Any, layout: Layout | None) -> Any:
             if layout is None:
                 return var
             value = leaf_value(var)
-            if isinstance(value, jax.Array):
+            if isinstance(value, jax.Array) and value.sharding.memory_kind not in (None, "device"):
+                return var  # in host memory (offloaded): moved for compute by _relayout
                 have, want = value.sharding, layout.sharding
                 # A jit's outputs say P() where the layout says P(None, None): same placement.
                 if have == want or have.is_equivalent_to(want, value.ndim):
@@ -176,19 +194,30 @@ class StepCompiler:
 
         return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
 
-    def _relayout(self, state: Any, layouts: Any, *, compute: bool) -> Any:
-        """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ)."""
+    def _relayout(self, state: Any, layouts: Any, *, compute: bool, kinds: Any = None) -> Any:
+        """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ).
+
+        Variables with a memory kind (``kinds``) move between host memory
+        (stored) and device memory (compute).
+        """
         s = self.strategy
 
-        def move(var: Any, lay: Layout | None) -> Any:
+        def move(var: Any, lay: Layout | None, kind: str | None = None) -> Any:
             if lay is None:
                 return var
             target = s.compute_layout(lay)
+            value = leaf_value(var)
+            if kind not in (None, "device") and isinstance(value, jax.Array):
+                if compute:
+                    return replace_value(var, offload.to_device(value, target.sharding))
+                return replace_value(var, offload.to_host(value, lay.sharding))
             if target == lay:
                 return var
-            return replace_value(var, dtensor.relayout(leaf_value(var), target if compute else lay))
+            return replace_value(var, dtensor.relayout(value, target if compute else lay))
 
-        return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
+        if kinds is None:
+            return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
+        return jax.tree.map(move, state, layouts, kinds, is_leaf=_var_or_layout)
 
     def _constrain(self, state: Any, layouts: Any) -> Any:
         s = self.strategy
@@ -239,11 +268,14 @@ class StepCompiler:
         s = self.strategy
         reduction = None if per_replica else s.gradient_reduction
 
-        def call(state: Any, arrays: list[Any]) -> Any:
+        def call(state: Any, arrays: list[Any], *, prepare: Any = None) -> Any:
             fn = fn_key.get()  # at trace time: the compiled step holds no strong reference
             if reduction is not None:  # explicit cross-device ops (strategies.cross_device_ops)
                 fn = reduction.wrap_step(fn)
-            nodes = iter(nnx.merge(graphdef, state) if graphdef is not None else ())
+            merged = nnx.merge(graphdef, state) if graphdef is not None else ()
+            if prepare is not None and graphdef is not None:
+                prepare(merged)  # the preset's swaps, on the objects merged in this trace
+            nodes = iter(merged)
             values = iter(arrays)
             flat = [
                 next(nodes)
