@@ -88,14 +88,18 @@ def test_fully_sharded_collectives_by_hand(model_name):
     # Each all-reduce operand is a non-kernel leaf's gradient (or the loss), so
     # at most the largest of those; with the exact totals above, no kernel's
     # gradient is all-reduced.
-    largest_other = max(v.global_bytes for v in rep.variables if v.trainable and not v.path.endswith("kernel"))
+    largest_other = max(
+        v.global_bytes for v in rep.variables if v.trainable and not v.path.endswith("kernel")
+    )
     for c in rep.collectives:
         if c.kind == "all-reduce":
             assert int(np.prod(c.shape)) * 4 <= largest_other
 
 
 def test_without_gather_at_read_xla_all_reduces_full_gradients():
-    model, opt, step, batches = _build(strategies.FullyShardedStrategy(min_shard_bytes=0), "transformer")
+    model, opt, step, batches = _build(
+        strategies.FullyShardedStrategy(min_shard_bytes=0), "transformer"
+    )
     plain = strategies.FullyShardedStrategy(min_shard_bytes=0, gather_at_read=False)
     rep = plain.explain(step, args=(model, opt, batches(1)[0]))
     kernels, others = _param_bytes(rep)
@@ -117,7 +121,9 @@ def test_hooks_stay_inside_the_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Variable hooks are deprecated" for the user
         strategy.run(step, args=(model, opt, batches(1)[0]))
-    for var in jax.tree.leaves(nnx.state((model, opt)), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    for var in jax.tree.leaves(
+        nnx.state((model, opt)), is_leaf=lambda v: isinstance(v, nnx.Variable)
+    ):
         assert "on_get_value" not in var.get_metadata()
     assert nnx.Embed.__call__.__name__ == "__call__"  # the scoped Embed patch is undone
 
