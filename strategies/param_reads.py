@@ -85,6 +85,15 @@ def trace_reads(
     batches) the step is traced with the other options only; where user
     code fails on Explicit axes, a warning says so and XLA's own plan runs.
     """
+    if state is None and (options.mixed_precision or options.remat):
+        warnings.warn(
+            "mixed_precision= and remat= apply to steps on Flax NNX modules; this step takes "
+            "plain pytrees (Linen/optax), whose parameter reads and module calls cannot be "
+            "intercepted, so it runs in the variables' dtype without remat. Cast inside the "
+            "model (Linen's dtype=) or wrap blocks in nn.remat yourself.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     if state is None or not options.active:
         return call(state, arrays)
     specs = (
@@ -161,7 +170,7 @@ def _traced(
                 owners.add(_owner(tuple(path), modules))
             read = None
             if sharded and gather is not None:
-                read = _full_reads_only(gather(key, layout.partition_spec, mp), node, mp)
+                read = _whole_or_layer_reads(gather, key, layout.partition_spec, node, mp)
                 key += 1
             elif mp is not None:
                 read = mp.cast
@@ -191,16 +200,33 @@ def _owner(path: tuple[Any, ...], modules: dict[tuple[Any, ...], Any]) -> tuple[
     return ()
 
 
-def _full_reads_only(
-    read: Callable[[Any], Any], var: nnx.Variable, mp: MixedPrecision | None
+def _whole_or_layer_reads(
+    gather: Callable[[int, PartitionSpec, MixedPrecision | None], Callable[[Any], Any]],
+    key: int,
+    spec: PartitionSpec,
+    var: nnx.Variable,
+    mp: MixedPrecision | None,
 ) -> Callable[[Any], Any]:
-    """``read`` for the variable's whole value; a slice of it (a scanned layer) is only cast."""
+    """Reads of ``var`` gathered: its whole value, or one layer of a stack (``nnx.scan``).
+
+    Inside a scan over stacked layers a read sees the value without its
+    leading (layer) dimension; it is gathered with the rest of ``spec``.
+    Other partial values are only cast.
+    """
     shape = np.shape(var.get_raw_value())
+    whole = gather(key, spec, mp)
+    layer = (
+        gather(key, PartitionSpec(*tuple(spec)[1:]), mp)
+        if len(spec) == len(shape) and len(shape) > 1 and tuple(spec)[0] is None
+        else None
+    )
 
     def one(value: Any) -> Any:
-        if np.shape(value) != shape:
-            return value if mp is None else mp.cast(value)
-        return read(value)
+        if np.shape(value) == shape:
+            return whole(value)
+        if layer is not None and np.shape(value) == shape[1:]:
+            return layer(value)
+        return value if mp is None else mp.cast(value)
 
     return one
 
