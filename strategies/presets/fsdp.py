@@ -35,6 +35,12 @@ class FullyShardedStrategy(Strategy):
     (Linen, pure JAX) leave the plan to XLA: their parameter reads cannot be
     intercepted.
 
+    ``reshard_after_forward=True`` is the default by the TPU compiler's
+    figures (v5e:2x2, AOT): an Adam step of 8 bias-free f32 layers of
+    4096x4096 at a global batch of 256 needs 0.144 GiB of temporaries per
+    chip with it, 0.477 GiB keeping gathered weights, 0.155 GiB with XLA's
+    own plan (``gather_at_read=False``).
+
     Args:
         devices: the devices (default: all).
         reshard_after_forward: free each gathered weight after its forward

@@ -8,8 +8,9 @@ new state back into the models, and bounds how many steps are in flight.
 
 What it asks of the strategy are its public policies and preset hooks:
 ``mesh``, ``batch_axes``, ``batch_layout``, ``storage_layout_fn``,
-``compute_layout``, ``adopt``, ``trace_step``, ``after_step``, ``gradient_reduction``,
-``max_steps_in_flight``, ``activation_bytes_min`` and ``shards_variables``.
+``compute_layout``, ``memory_kind``, ``adopt``, ``trace_step``, ``after_step``,
+``gradient_reduction``, ``max_steps_in_flight``, ``activation_bytes_min`` and
+``shards_variables``.
 """
 
 from __future__ import annotations
