@@ -83,22 +83,26 @@ class StepCompiler:
             kinds.append(kind)
         sig = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
         graph_key = cached.key if cached is not None else graphdef
+        memories = self.memory_kinds(graph_key, state) if nodes else None
+        if memories is not None:
+            state = self._in_memory(state, layouts, memories, device=False)
         fn_key = FunctionKey(fn)
         key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig)
         compiled = self.compiled.get(key)
         if compiled is None:
             fn_key = FunctionKey(fn, self._forget)  # the stored key watches the function
             key = (fn_key, *key[1:])
-            compiled = self._compile(fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica)
+            compiled = self._compile(
+                fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica, memories
+            )
             self.compiled.put(key, compiled)
             self.monitor.compiled(fn)
-        kinds = self.memory_kinds(graph_key, state) if nodes else None
         if nodes:
-            state = self._relayout(state, layouts, compute=True, kinds=kinds)
+            state = self._relayout(state, layouts, compute=True, kinds=memories)
         with s.mesh:  # traced under the strategy's mesh, in scope() or not
             new_state, out = compiled(state, arrays)
         if nodes:
-            stored = self._relayout(new_state, layouts, compute=False, kinds=kinds)
+            stored = self._relayout(new_state, layouts, compute=False, kinds=memories)
             if cached is None:
                 nnx.update(tuple(nodes), stored)
             else:
@@ -185,9 +189,10 @@ class StepCompiler:
             if layout is None:
                 return var
             value = leaf_value(var)
-            if isinstance(value, jax.Array) and value.sharding.memory_kind not in (None, "device"):
-                return var  # in host memory (offloaded): moved for compute by _relayout
+            if isinstance(value, jax.Array):
                 have, want = value.sharding, layout.sharding
+                if have.memory_kind not in (None, "device"):  # offloaded: moved by the step
+                    have = have.with_memory_kind("device")
                 # A jit's outputs say P() where the layout says P(None, None): same placement.
                 if have == want or have.is_equivalent_to(want, value.ndim):
                     return var
@@ -198,8 +203,10 @@ class StepCompiler:
     def _relayout(self, state: Any, layouts: Any, *, compute: bool, kinds: Any = None) -> Any:
         """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ).
 
-        Variables with a memory kind (``kinds``) move between host memory
-        (stored) and device memory (compute).
+        Variables with a memory kind (``kinds``) stored on another mesh move
+        between host memory (stored) and device memory (compute) here; those
+        on the compute mesh are moved inside the compiled step
+        (:meth:`_in_memory`).
         """
         s = self.strategy
 
@@ -209,6 +216,8 @@ class StepCompiler:
             target = s.compute_layout(lay)
             value = leaf_value(var)
             if kind not in (None, "device") and isinstance(value, jax.Array):
+                if target == lay:
+                    return var
                 if compute:
                     return replace_value(var, offload.to_device(value, target.sharding))
                 return replace_value(var, offload.to_host(value, lay.sharding))
@@ -219,6 +228,31 @@ class StepCompiler:
         if kinds is None:
             return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
         return jax.tree.map(move, state, layouts, kinds, is_leaf=_var_or_layout)
+
+    def _in_memory(self, state: Any, layouts: Any, memories: Any, *, device: bool) -> Any:
+        """Offloaded variables kept on the compute mesh, in device memory or in their own.
+
+        Eagerly (before a step) this places them in host memory; inside the
+        compiled step it is XLA's transfer to device memory and back.
+        """
+        s = self.strategy
+
+        def move(var: Any, lay: Layout | None, kind: str | None) -> Any:
+            if lay is None or kind in (None, "device") or s.compute_layout(lay) != lay:
+                return var
+            value = leaf_value(var)
+            if isinstance(value, jax.ShapeDtypeStruct):
+                return replace_value(var, _abstract(value, lay, memory_kind=kind))
+            if not isinstance(value, jax.Array):
+                return var
+            if isinstance(value, jax.core.Tracer):
+                target = lay.sharding.with_memory_kind("device" if device else kind)
+                return replace_value(var, jax.device_put(value, target))
+            if value.sharding.memory_kind == kind:
+                return var
+            return replace_value(var, offload.to_host(value, lay.sharding))
+
+        return jax.tree.map(move, state, layouts, memories, is_leaf=_var_or_layout)
 
     def _constrain(self, state: Any, layouts: Any) -> Any:
         s = self.strategy
@@ -265,6 +299,7 @@ class StepCompiler:
         layouts: Any,
         arrays: list[Any],
         per_replica: bool,
+        memories: Any = None,
     ) -> Compiled:
         s = self.strategy
         reduction = None if per_replica else s.gradient_reduction
@@ -303,10 +338,14 @@ class StepCompiler:
         compiler = self
 
         def pure(state: Any, arrays: list[Any]) -> Any:
+            if memories is not None:  # offloaded variables: host -> device for the step
+                state = compiler._in_memory(state, layouts, memories, device=True)
             new_state, out = s.trace_step(call, state, arrays, layouts, shardings)
             if new_state is not None:
                 check_same_structure(state, new_state)
                 new_state = compiler._constrain(new_state, layouts)
+                if memories is not None:  # and back to host memory
+                    new_state = compiler._in_memory(new_state, layouts, memories, device=False)
             return new_state, out
 
         return jax.jit(pure, donate_argnums=(0,) if graphdef is not None else ())
@@ -386,7 +425,12 @@ class StepCompiler:
                 )
                 arrays.append(v if on_mesh else _abstract(v, s.batch_layout(len(np.shape(v)))))
             kinds.append(kind)
-        compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
+        memories = self.memory_kinds(graphdef, state) if nodes else None
+        if memories is not None:  # offloaded variables enter in host memory
+            state = self._in_memory(state, layouts, memories, device=False)
+        compiled = self._compile(
+            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories
+        )
         with s.mesh:
             return explain(
                 compiled,
@@ -400,10 +444,13 @@ class StepCompiler:
             )
 
 
-def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding
-    )
+def _abstract(
+    value: Any, layout: Layout | None, *, memory_kind: str | None = None
+) -> jax.ShapeDtypeStruct:
+    sharding = None if layout is None else layout.sharding
+    if sharding is not None and memory_kind is not None:
+        sharding = sharding.with_memory_kind(memory_kind)
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
 
 
 def check_same_structure(before: Any, after: Any) -> None:
