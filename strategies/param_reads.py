@@ -241,7 +241,10 @@ def _swap_modules(
         inside = any(path[: len(r)] == r for r in rematted)
         named = bool(options.remat) and issubclass(base, options.remat) and not inside
         reshard = options.reshard_after_forward and path in owners and not inside
-        embed = options.gather and issubclass(base, nnx.Embed)
+        # An embedding lookup on Explicit axes, unless a subclass has its own __call__.
+        embed = (
+            options.gather and issubclass(base, nnx.Embed) and base.__call__ is nnx.Embed.__call__
+        )
         if not (named or reshard or embed):
             continue
         swaps.swap_call(

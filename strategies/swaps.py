@@ -101,7 +101,7 @@ _POLICIES = (
 )
 
 
-def remat_policy(policy: Any) -> Callable[..., bool] | None:
+def remat_policy(policy: Any) -> Any:
     """A ``jax.checkpoint`` policy from ``remat_policy=`` (a name, a callable, or ``None``).
 
     Examples:

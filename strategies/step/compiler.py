@@ -27,7 +27,7 @@ from flax import nnx
 import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
-from dtensor.core.tree import is_node, is_variable, leaf_value, replace_value
+from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
 from strategies import context, offload
 from strategies.step import args as argkinds
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
@@ -176,7 +176,7 @@ class StepCompiler:
             fn = self.strategy.memory_kind
 
             def kind(path: Any, var: Any) -> str | None:
-                p = dtensor.core.tree.path_str(path)
+                p = path_str(path)
                 return fn(p.split("/", 1)[1] if "/" in p else p, var) or "device"
 
             tree = jax.tree_util.tree_map_with_path(kind, state, is_leaf=is_variable)
