@@ -19,6 +19,7 @@ from strategies.cross_device_ops import NcclAllReduce as NcclAllReduce
 from strategies.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from strategies.current import get_strategy as get_strategy
 from strategies.current import has_strategy as has_strategy
+from strategies.mixed_precision import MixedPrecision as MixedPrecision
 from strategies.partitioners import FixedShardsPartitioner as FixedShardsPartitioner
 from strategies.partitioners import MaxSizePartitioner as MaxSizePartitioner
 from strategies.partitioners import MinSizePartitioner as MinSizePartitioner
@@ -59,6 +60,7 @@ __all__ = [
     "LayoutStrategy",
     "MaxSizePartitioner",
     "MinSizePartitioner",
+    "MixedPrecision",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",

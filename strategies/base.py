@@ -28,6 +28,8 @@ from dtensor.core.tree import is_node, leaf_value
 from strategies import context, creation, tf_compat
 from strategies.boundary import explicit_axes_error
 from strategies.datasets import CheckedShares
+from strategies.mixed_precision import MixedPrecision, check_mixed_precision
+from strategies.param_reads import ReadOptions, trace_reads
 from strategies.step.compiler import StepCompiler
 from strategies.values import InputContext, PerReplica, ValueContext
 
@@ -44,6 +46,9 @@ class Strategy:
             decide its variables' layouts (presets that shard by rules do).
         max_steps_in_flight: how many ``run`` calls may be queued before the
             oldest is waited on (bounds XLA's queue; ``None``: no bound).
+        mixed_precision: a :class:`strategies.MixedPrecision` (every preset
+            takes it): floating ``nnx.Param`` reads cast to its
+            ``param_dtype`` inside NNX steps, variables kept in their dtype.
     """
 
     name: str = "strategy"
@@ -59,7 +64,9 @@ class Strategy:
         batch_axes: tuple[str, ...],
         honor_annotations: bool = False,
         max_steps_in_flight: int | None = 8,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
+        self.mixed_precision = check_mixed_precision(mixed_precision)
         self._mesh = mesh
         self.batch_axes = tuple(batch_axes)
         self.honor_annotations = honor_annotations
@@ -120,6 +127,10 @@ class Strategy:
         """Where a variable is kept between steps (the compute layout, unless a preset says otherwise)."""
         return self.variable_layout(path, leaf)
 
+    def memory_kind(self, path: str, leaf: Any) -> str | None:
+        """The memory a variable is kept in between steps (``None``: device memory)."""
+        return None
+
     def compute_layout(self, storage: Layout) -> Layout:
         """Where a variable stored in ``storage`` is computed on (the same, unless a preset says otherwise)."""
         return storage
@@ -151,7 +162,7 @@ class Strategy:
 
     def trace_step(
         self,
-        call: Callable[[Any, list[Any]], Any],
+        call: Callable[..., Any],
         state: Any,
         arrays: list[Any],
         layouts: Any,
@@ -160,11 +171,17 @@ class Strategy:
         """Trace one global-mode step: ``call(state, arrays) -> (new_state, out)``.
 
         ``layouts`` are the variables' (``None`` without NNX nodes), ``shardings``
-        the array arguments' input shardings. A hook for presets that shape the
-        compiled step beyond layouts (FullyShardedStrategy gathers parameters at
-        each read).
+        the array arguments' input shardings. ``call`` also takes ``prepare=``,
+        a function given the NNX objects merged inside the trace (to swap
+        their classes, :mod:`strategies.swaps`). The default shapes parameter
+        reads and module calls by :meth:`read_options`
+        (:func:`strategies.param_reads.trace_reads`).
         """
-        return call(state, arrays)
+        return trace_reads(call, state, arrays, layouts, shardings, self.mesh, self.read_options())
+
+    def read_options(self) -> ReadOptions:
+        """How this preset shapes parameter reads and module calls inside a step."""
+        return ReadOptions(axes=self.batch_axes, mixed_precision=self.mixed_precision)
 
     def after_step(self, result: Any) -> None:
         """Called with each ``run``'s result once it is dispatched (a hook for watchdogs)."""

@@ -57,7 +57,13 @@ def sharded_axes(spec: PartitionSpec, axes: Sequence[str]) -> tuple[int, tuple[s
 
 
 def gather_for_compute(
-    x: jax.Array, spec: PartitionSpec, axes: Sequence[str], *, reduced: bool = True
+    x: jax.Array,
+    spec: PartitionSpec,
+    axes: Sequence[str],
+    *,
+    reduced: bool = True,
+    compute_dtype: Any = None,
+    reduce_dtype: Any = None,
 ) -> jax.Array:
     """``x`` (laid out as ``spec``) whole on every device, its gradient reduce-scattered.
 
@@ -65,6 +71,9 @@ def gather_for_compute(
     value is unchanged; only the collectives differ: forward an
     ``all-gather`` over ``axes`` into JAX's ``reduced`` state, backward a
     ``reduce-scatter`` of the per-device partial gradient back to ``spec``.
+    With ``compute_dtype`` the local shard is cast before it is gathered (the
+    all-gather moves that dtype); with ``reduce_dtype`` the gradient is cast
+    to it before the reduce-scatter (then to ``x``'s dtype).
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -84,38 +93,54 @@ def gather_for_compute(
     """
     found = sharded_axes(spec, axes)
     if found is None:
-        return x
+        return x if compute_dtype is None else x.astype(compute_dtype)
     dim, names = found
     if not reduced:
+        x = x if compute_dtype is None else x.astype(compute_dtype)
         return jax.sharding.reshard(
             x, PartitionSpec(*[None if d == dim else e for d, e in enumerate(spec)])
         )
-    return _gather(x, spec, dim, names)
+    dtypes = (
+        None if compute_dtype is None else jax.numpy.dtype(compute_dtype),
+        None if reduce_dtype is None else jax.numpy.dtype(reduce_dtype),
+        jax.numpy.dtype(x.dtype),
+    )
+    return _gather(x, spec, dim, names, dtypes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...]) -> jax.Array:
-    return _gather_fwd(x, spec, dim, names)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(
+    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any
+) -> jax.Array:
+    return _gather_fwd(x, spec, dim, names, dtypes)[0]
 
 
 def _gather_fwd(
-    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...]
+    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any
 ) -> tuple[jax.Array, None]:
     whole = PartitionSpec(
         *[None if d == dim else s for d, s in enumerate(spec)], reduced=frozenset(names)
     )
+    if dtypes[0] is not None:
+        x = x.astype(dtypes[0])  # cast the local shard: the all-gather moves compute_dtype
     return jax.sharding.reshard(x, whole), None
 
 
 def _gather_bwd(
-    spec: PartitionSpec, dim: int, names: tuple[str, ...], _: None, ct: jax.Array
+    spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any, _: None, ct: jax.Array
 ) -> tuple[jax.Array]:
     others = [None if d == dim else s for d, s in enumerate(spec)]
     unreduced = frozenset(jax.typeof(ct).sharding.spec.unreduced)
     axis = names[0] if len(names) == 1 else names
+    reduce_dtype, master = dtypes[1], dtypes[2]
+
+    def reduce(c: jax.Array) -> jax.Array:
+        c = c if reduce_dtype is None else c.astype(reduce_dtype)
+        return jax.lax.psum_scatter(c, axis, scatter_dimension=dim, tiled=True).astype(master)
+
     if unreduced >= set(names):  # per-device partial sums: one reduce-scatter
         scatter = jax.shard_map(
-            lambda c: jax.lax.psum_scatter(c, axis, scatter_dimension=dim, tiled=True),
+            reduce,
             in_specs=PartitionSpec(*others, unreduced=unreduced),
             out_specs=PartitionSpec(
                 *[s if d != dim else axis for d, s in enumerate(spec)],
@@ -124,7 +149,8 @@ def _gather_bwd(
             axis_names=set(names),
         )
         return (scatter(ct),)
-    return (jax.sharding.reshard(ct, spec),)  # already reduced (no batch split): a slice
+    # already reduced (no batch split): a slice
+    return (jax.sharding.reshard(ct.astype(master), spec),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -1,18 +1,27 @@
-"""Reads of NNX variables intercepted inside a traced step: FSDP's gather at each read.
+"""Reads of NNX parameters shaped inside a traced step: FSDP's gather, casts, remat.
 
-:func:`gather_at_reads` traces a step so that every read of a variable split
-over the data axes is gathered for compute (and its gradient
-reduce-scattered) with :mod:`strategies.fsdp_ops`; the presets that shard
-variables over data axes (FullyShardedStrategy, HybridStrategy's ``fsdp``
-axis) use it as their ``trace_step``. The interception lives only inside
-the trace: nothing returned from the step carries it.
+:func:`trace_reads` traces a step on Flax NNX modules after changing, on
+the objects merged inside the trace (:mod:`strategies.swaps`), how
+parameters are read and how modules are called:
+
+- a variable split over the data axes is gathered at each read with
+  :mod:`strategies.fsdp_ops` (all-gather forward, reduce-scatter of its
+  gradient), where ``ReadOptions.gather`` is set (FullyShardedStrategy);
+- a floating ``nnx.Param`` is cast to the mixed-precision ``param_dtype``
+  (before it is gathered);
+- each module that directly owns a sharded variable is rematerialised
+  (``reshard_after_forward``: its weight is gathered again in the backward
+  pass rather than kept), as are the calls of the classes named in
+  ``remat=``, with their descendants left alone.
+
+Nothing returned from the step carries the swapped classes.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,52 +31,96 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dtensor import Layout, Mesh
 from dtensor.core.tree import is_variable
-from strategies.fsdp_ops import explicit_region, gather_for_compute, matmul_only_reads, tag_read
+from strategies import swaps
+from strategies.fsdp_ops import (
+    explicit_region,
+    gather_for_compute,
+    matmul_only_reads,
+    tag_read,
+)
+from strategies.mixed_precision import MixedPrecision
 
-__all__ = ["explicit_specs", "gather_at_reads"]
+__all__ = ["ReadOptions", "explicit_specs", "trace_reads"]
 
 
 def _var_or_layout(x: Any) -> bool:
     return is_variable(x) or isinstance(x, Layout)
 
 
-def gather_at_reads(
-    call: Callable[[Any, list[Any]], Any],
+class RematClassError(ValueError):
+    """``remat=`` names a module class the step's models do not contain."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a step's parameter reads and module calls are shaped (see the module docstring)."""
+
+    axes: tuple[str, ...] = ()
+    gather: bool = False
+    reshard_after_forward: bool = False
+    remat: tuple[type, ...] = ()
+    remat_policy: Callable[..., bool] | None = None
+    mixed_precision: MixedPrecision | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether anything changes in the trace."""
+        return bool(self.gather or self.reshard_after_forward or self.remat or self.mixed_precision)
+
+
+def trace_reads(
+    call: Callable[..., Any],
     state: Any,
     arrays: list[Any],
     layouts: Any,
     shardings: list[Any],
     mesh: Mesh,
-    axes: tuple[str, ...],
+    options: ReadOptions,
 ) -> Any:
-    """Trace ``call(state, arrays)`` with every read of a variable split over ``axes`` gathered.
+    """Trace ``call(state, arrays, prepare=...)`` with reads and calls shaped by ``options``.
 
-    Each read goes through :func:`strategies.fsdp_ops.gather_for_compute`
-    (all-gather forward, reduce-scatter of the gradient) on Explicit axes.
-    Where the plan does not apply (arguments that are not batches) the step
-    is traced as is; where user code fails on Explicit axes, a warning says
-    so and XLA's own plan runs instead.
+    With ``options.gather`` each read of a variable split over
+    ``options.axes`` goes through :func:`strategies.fsdp_ops.gather_for_compute`
+    on Explicit axes. Where that plan does not apply (arguments that are not
+    batches) the step is traced with the other options only; where user
+    code fails on Explicit axes, a warning says so and XLA's own plan runs.
     """
-    specs = explicit_specs(state, layouts, shardings, mesh, axes)
-    if specs is None:
+    if state is None and (options.mixed_precision or options.remat):
+        warnings.warn(
+            "mixed_precision= and remat= apply to steps on Flax NNX modules; this step takes "
+            "plain pytrees (Linen/optax), whose parameter reads and module calls cannot be "
+            "intercepted, so it runs in the variables' dtype without remat. Cast inside the "
+            "model (Linen's dtype=) or wrap blocks in nn.remat yourself.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if state is None or not options.active:
         return call(state, arrays)
-    with (
-        warnings.catch_warnings(),
-        jax.sharding.use_abstract_mesh(mesh.jax_mesh.abstract_mesh),
-    ):
-        warnings.filterwarnings("ignore", message="Variable hooks are deprecated")
-        # Probe: which reads feed matmuls only (those can be gathered `reduced`).
-        probe = _with_hooks(call, layouts, axes, lambda key, value, spec: tag_read(value, key))
-        matmul_only = matmul_only_reads(jax.make_jaxpr(probe)(state, arrays))
-
-        def gather(key: int, value: Any, spec: PartitionSpec) -> Any:
-            return gather_for_compute(value, spec, axes, reduced=matmul_only.get(key, False))
-
+    specs = (
+        explicit_specs(state, layouts, shardings, mesh, options.axes) if options.gather else None
+    )
+    if specs is None:
+        return _traced(call, layouts, options, None)(state, arrays)
+    with jax.sharding.use_abstract_mesh(mesh.jax_mesh.abstract_mesh):
         try:
-            with _embed_lookups_follow_batch():
-                return explicit_region(_with_hooks(call, layouts, axes, gather), axes, specs)(
-                    state, arrays
+            # Probe: which reads feed matmuls only (those can be gathered `reduced`).
+            probe = _traced(call, layouts, options, lambda key, spec, mp: _tagger(key))
+            matmul_only = matmul_only_reads(jax.make_jaxpr(probe)(state, arrays))
+
+            def gather(key: int, spec: PartitionSpec, mp: MixedPrecision | None) -> Any:
+                return lambda value: gather_for_compute(
+                    value,
+                    spec,
+                    options.axes,
+                    reduced=matmul_only.get(key, False),
+                    compute_dtype=None if mp is None else mp.param_dtype,
+                    reduce_dtype=None if mp is None else mp.reduce_dtype,
                 )
+
+            step = _traced(call, layouts, options, gather)
+            return explicit_region(step, options.axes, specs)(state, arrays)
+        except RematClassError:
+            raise
         except Exception as err:  # noqa: BLE001 - whatever user code raises on Explicit axes
             fallback = err
     warnings.warn(
@@ -78,7 +131,130 @@ def gather_at_reads(
         RuntimeWarning,
         stacklevel=2,
     )
-    return call(state, arrays)
+    return _traced(call, layouts, options, None)(state, arrays)
+
+
+def _tagger(key: int) -> Callable[[Any], Any]:
+    return lambda value: tag_read(value, key)
+
+
+def _traced(
+    call: Callable[..., Any],
+    layouts: Any,
+    options: ReadOptions,
+    gather: Callable[[int, PartitionSpec, MixedPrecision | None], Callable[[Any], Any]] | None,
+) -> Callable[[Any, list[Any]], Any]:
+    """``call`` with the merged objects swapped by ``options``; ``gather`` makes sharded reads."""
+    flat_layouts = dict(nnx.to_flat_state(layouts))
+
+    def prepare(nodes: Any) -> None:
+        if options.remat:
+            try:
+                swaps.check_remat_classes(options.remat, nodes)
+            except ValueError as err:
+                raise RematClassError(str(err)) from None
+        modules: dict[tuple[Any, ...], Any] = {}
+        owners: set[tuple[Any, ...]] = set()
+        key = 0
+        found = list(nnx.iter_graph(nodes))
+        for path, node in found:
+            if isinstance(node, nnx.Module):
+                modules[tuple(path)] = node
+        for path, node in sorted(found, key=lambda item: _sort_key(item[0])):
+            if not isinstance(node, nnx.Variable):
+                continue
+            layout = flat_layouts.get(tuple(path))
+            mp = options.mixed_precision if isinstance(node, nnx.Param) else None
+            sharded = isinstance(layout, Layout) and _split_over(layout, options.axes)
+            if sharded:
+                owners.add(_owner(tuple(path), modules))
+            read = None
+            if sharded and gather is not None and isinstance(layout, Layout):
+                read = _whole_or_layer_reads(gather, key, layout.partition_spec, node, mp)
+                key += 1
+            elif mp is not None:
+                read = mp.cast
+            if read is not None:
+                swaps.read_through(node, read)
+        _swap_modules(modules, owners, options)
+
+    def step(state: Any, arrays: list[Any]) -> Any:
+        new_state, out = call(state, arrays, prepare=prepare)
+        return swaps.strip(new_state), swaps.strip(out)
+
+    return step
+
+
+def _sort_key(path: Any) -> tuple[str, ...]:
+    return tuple(str(p) for p in path)
+
+
+def _split_over(layout: Layout, axes: tuple[str, ...]) -> bool:
+    return any(a in axes for d in range(layout.rank) for a in layout.axes(d))
+
+
+def _owner(path: tuple[Any, ...], modules: dict[tuple[Any, ...], Any]) -> tuple[Any, ...]:
+    for n in range(len(path) - 1, -1, -1):
+        if path[:n] in modules:
+            return path[:n]
+    return ()
+
+
+def _whole_or_layer_reads(
+    gather: Callable[[int, PartitionSpec, MixedPrecision | None], Callable[[Any], Any]],
+    key: int,
+    spec: PartitionSpec,
+    var: nnx.Variable,
+    mp: MixedPrecision | None,
+) -> Callable[[Any], Any]:
+    """Reads of ``var`` gathered: its whole value, or one layer of a stack (``nnx.scan``).
+
+    Inside a scan over stacked layers a read sees the value without its
+    leading (layer) dimension; it is gathered with the rest of ``spec``.
+    Other partial values are only cast.
+    """
+    shape = np.shape(var.get_raw_value())
+    whole = gather(key, spec, mp)
+    layer = (
+        gather(key, PartitionSpec(*tuple(spec)[1:]), mp)
+        if len(spec) == len(shape) and len(shape) > 1 and tuple(spec)[0] is None
+        else None
+    )
+
+    def one(value: Any) -> Any:
+        if np.shape(value) == shape:
+            return whole(value)
+        if layer is not None and np.shape(value) == shape[1:]:
+            return layer(value)
+        return value if mp is None else mp.cast(value)
+
+    return one
+
+
+def _swap_modules(
+    modules: dict[tuple[Any, ...], Any], owners: set[tuple[Any, ...]], options: ReadOptions
+) -> None:
+    rematted: list[tuple[Any, ...]] = []
+    for path in sorted(modules, key=len):  # ancestors first
+        module = modules[path]
+        base = swaps.swapped_base(type(module))
+        inside = any(path[: len(r)] == r for r in rematted)
+        named = bool(options.remat) and issubclass(base, options.remat) and not inside
+        reshard = options.reshard_after_forward and path in owners and not inside
+        # An embedding lookup on Explicit axes, unless a subclass has its own __call__.
+        embed = (
+            options.gather and issubclass(base, nnx.Embed) and base.__call__ is nnx.Embed.__call__
+        )
+        if not (named or reshard or embed):
+            continue
+        swaps.swap_call(
+            module,
+            remat=named or reshard,
+            policy=options.remat_policy if named else None,
+            embed=embed,
+        )
+        if named or reshard:
+            rematted.append(path)
 
 
 def explicit_specs(
@@ -108,94 +284,3 @@ def explicit_specs(
         lambda _, lay: lay.partition_spec, state, layouts, is_leaf=_var_or_layout
     )
     return state_specs, array_specs
-
-
-_HOOK = "on_get_value"
-_EMBED_CALL = nnx.Embed.__call__
-
-
-def _embed_call(self: nnx.Embed, inputs: Any, out_sharding: Any = None) -> Any:
-    """``nnx.Embed.__call__``, its lookup laid out like a batch-split ``inputs`` (Explicit axes)."""
-    if out_sharding is None and isinstance(inputs, jax.Array):
-        spec = jax.typeof(inputs).sharding.spec
-        if any(entry is not None for entry in spec):
-            out_sharding = PartitionSpec(*spec, None)
-    return _EMBED_CALL(self, inputs, out_sharding=out_sharding)
-
-
-@contextlib.contextmanager
-def _embed_lookups_follow_batch() -> Iterator[None]:
-    """Let Flax's ``nnx.Embed`` run on Explicit axes while the step is traced.
-
-    On Explicit axes ``jnp.take`` of a table with batch-split token ids needs an
-    ``out_sharding``, which ``nnx.Embed`` accepts but a user's model does not
-    pass; this supplies the batch's own layout. Inputs on Auto axes (anyone
-    else's trace meanwhile) carry no sharding in their type: for them nothing
-    changes.
-    """
-    nnx.Embed.__call__ = _embed_call  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nnx.Embed.__call__ = _EMBED_CALL  # type: ignore[method-assign]
-
-
-def _with_hooks(
-    call: Callable[[Any, list[Any]], Any],
-    layouts: Any,
-    axes: tuple[str, ...],
-    gather: Callable[[int, Any, PartitionSpec], Any],
-) -> Callable[[Any, list[Any]], Any]:
-    """``call`` with every variable split over ``axes`` read through ``gather(key, value, spec)``.
-
-    The read hooks live only inside the traced step: they are removed from
-    the variables (and any returned ones) before they leave it.
-    """
-
-    def step(state: Any, arrays: list[Any]) -> Any:
-        counter = iter(range(1 << 62))
-        state = jax.tree.map(
-            lambda var, lay: _attach(var, lay, next(counter), axes, gather),
-            state,
-            layouts,
-            is_leaf=_var_or_layout,
-        )
-        new_state, out = call(state, arrays)
-        return _without_hook(new_state), _without_hook(out)
-
-    return step
-
-
-def _attach(
-    var: Any,
-    layout: Any,
-    key: int,
-    axes: tuple[str, ...],
-    gather: Callable[[int, Any, PartitionSpec], Any],
-) -> Any:
-    if not isinstance(var, nnx.Variable) or not isinstance(layout, Layout):
-        return var
-    if not any(a in axes for d in range(layout.rank) for a in layout.axes(d)):
-        return var
-    spec = layout.partition_spec
-    shape = np.shape(var.get_raw_value())
-
-    def hook(_: Any, value: Any) -> Any:
-        if np.shape(value) != shape:  # an indexed read (var[i]): leave it to XLA
-            return value
-        return gather(key, value, spec)
-
-    var = var.replace(var.get_raw_value())
-    var.set_metadata(_HOOK, hook)
-    return var
-
-
-def _without_hook(tree: Any) -> Any:
-    def strip(var: Any) -> Any:
-        if isinstance(var, nnx.Variable) and _HOOK in var.get_metadata():
-            meta = {k: v for k, v in var.get_metadata().items() if k != _HOOK}
-            var = var.replace(var.get_raw_value())
-            var.set_metadata(meta)
-        return var
-
-    return jax.tree.map(strip, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))

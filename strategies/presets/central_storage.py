@@ -12,6 +12,8 @@ import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
+from strategies.offload import HOST_MEMORY, has_host_memory
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -20,9 +22,11 @@ class CentralStorageStrategy(Strategy):
     """Variables kept once, on ``parameter_device``; each step copies them to the
     compute devices, runs data-parallel, and stores the update back.
 
-    ``parameter_device`` defaults to the first compute device. (Keeping the
-    single copy in host memory through ``memory_kind`` is not done yet: the
-    copy lives in that device's memory.)
+    ``parameter_device`` defaults to the first compute device. In a step on
+    Flax NNX modules the single copy is kept in that device's host memory
+    (``memory_kind="pinned_host"``) between steps, where the platform has
+    one (else in its device memory); functional (pytree) variables stay in
+    its device memory.
 
     Examples:
         >>> import strategies, jax.numpy as jnp, dtensor
@@ -40,6 +44,7 @@ class CentralStorageStrategy(Strategy):
         parameter_device: Any = None,
         *,
         devices: Sequence[Any] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         if compute_devices is not None and devices is not None:
             raise ValueError(
@@ -53,10 +58,16 @@ class CentralStorageStrategy(Strategy):
         super().__init__(
             dtensor.create_mesh([("replica", len(compute))], devices=compute),
             batch_axes=("replica",),
+            mixed_precision=mixed_precision,
         )
+        self.host_storage = has_host_memory(self.parameter_device)
 
     def storage_layout(self, path: str, leaf: Any) -> Layout:
         return Layout.replicated(self._storage_mesh, np.ndim(leaf_value(leaf)))
+
+    def memory_kind(self, path: str, leaf: Any) -> str | None:
+        """Host memory (``pinned_host``) for every variable, where the parameter device has it."""
+        return HOST_MEMORY if self.host_storage else None
 
     def compute_layout(self, storage: Layout) -> Layout:
         return Layout.replicated(self.mesh, storage.rank)

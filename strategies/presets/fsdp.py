@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -12,14 +12,18 @@ import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from strategies.base import Strategy
-from strategies.param_reads import gather_at_reads
+from strategies.mixed_precision import MixedPrecision
+from strategies.offload import HOST_MEMORY, check_host_memory
+from strategies.param_reads import ReadOptions
 from strategies.sharding import nbytes, shard_largest_dim
+from strategies.swaps import check_remat
+from strategies.swaps import remat_policy as remat_policy_fn
 
 __all__ = ["FullyShardedStrategy"]
 
 
 class FullyShardedStrategy(Strategy):
-    """Each variable (and its optimizer state) split on its largest divisible dimension.
+    """ZeRO-3: each variable (and its optimizer state) split on its largest divisible dimension.
 
     Variables smaller than ``min_shard_bytes`` stay replicated. The batch is
     split over the same ``fsdp`` axis. In a step on Flax NNX modules each
@@ -27,11 +31,35 @@ class FullyShardedStrategy(Strategy):
     split by batch) and its gradient is reduce-scattered, whatever XLA's own
     propagation would pick: the step is traced with the ``fsdp`` axis
     Explicit and every such read goes through
-    :func:`strategies.fsdp_ops.gather_for_compute`. Pass
-    ``gather_at_read=False`` to leave the plan to XLA (it then all-reduces
-    full-size gradients, or gathers activations for small batches). Steps on
-    plain pytrees (Linen, pure JAX) always leave it to XLA: their parameter
-    reads cannot be intercepted.
+    :func:`strategies.fsdp_ops.gather_for_compute`. Steps on plain pytrees
+    (Linen, pure JAX) leave the plan to XLA: their parameter reads cannot be
+    intercepted.
+
+    ``reshard_after_forward=True`` is the default by the TPU compiler's
+    figures (v5e:2x2, AOT): an Adam step of 8 bias-free f32 layers of
+    4096x4096 at a global batch of 256 needs 0.144 GiB of temporaries per
+    chip with it, 0.477 GiB keeping gathered weights, 0.155 GiB with XLA's
+    own plan (``gather_at_read=False``).
+
+    Args:
+        devices: the devices (default: all).
+        reshard_after_forward: free each gathered weight after its forward
+            use and gather it again in the backward pass (each module that
+            directly owns a sharded variable is rematerialised, gathers only);
+            ``False`` keeps gathered weights for the backward pass.
+        mixed_precision: a :class:`strategies.MixedPrecision`: shards cast to
+            ``param_dtype`` before they are gathered, gradients
+            reduce-scattered in ``reduce_dtype``, float32 master variables.
+        remat: module classes whose calls are recomputed in the backward pass
+            (activation checkpointing), their weights gathered again.
+        remat_policy: what those calls save: ``None`` (their inputs only), a
+            ``jax.checkpoint_policies`` name (``"dots_saveable"``...) or a
+            policy callable.
+        offload_optimizer: keep optimizer state (paths under ``opt_state``)
+            in host memory (``pinned_host``) between steps.
+        min_shard_bytes: variables smaller than this stay replicated.
+        gather_at_read: ``False`` leaves the plan to XLA (it then all-reduces
+            full-size gradients, or gathers activations for small batches).
 
     Examples:
         >>> import strategies, jax.numpy as jnp
@@ -40,6 +68,12 @@ class FullyShardedStrategy(Strategy):
         Layout([UNSHARDED, 'fsdp'], mesh=Mesh(fsdp=8))
         >>> s.variable_layout("dense/bias", jnp.zeros((64,))).is_fully_replicated()
         True
+        >>> from flax import nnx
+        >>> s = strategies.FullyShardedStrategy(
+        ...     mixed_precision=strategies.MixedPrecision(), remat=(nnx.Linear,), remat_policy="dots_saveable"
+        ... )
+        >>> s.reshard_after_forward, s.mixed_precision.param_dtype
+        (True, dtype(bfloat16))
     """
 
     name = "fully_sharded"
@@ -49,6 +83,11 @@ class FullyShardedStrategy(Strategy):
         self,
         devices: Sequence[Any] | None = None,
         *,
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecision | None = None,
+        remat: Sequence[type] | None = None,
+        remat_policy: Any = None,
+        offload_optimizer: bool = False,
         min_shard_bytes: int = 16 << 10,
         gather_at_read: bool = True,
     ) -> None:
@@ -58,9 +97,18 @@ class FullyShardedStrategy(Strategy):
             )
         self.min_shard_bytes = min_shard_bytes
         self.gather_at_read = gather_at_read
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.remat = check_remat(remat)
+        self.remat_policy = remat_policy
+        self._policy = remat_policy_fn(remat_policy)
+        self.offload_optimizer = bool(offload_optimizer)
         devices = list(devices) if devices is not None else jax.devices()
+        if self.offload_optimizer:
+            check_host_memory(devices, "FullyShardedStrategy(offload_optimizer=True)")
         super().__init__(
-            dtensor.create_mesh([("fsdp", len(devices))], devices=devices), batch_axes=("fsdp",)
+            dtensor.create_mesh([("fsdp", len(devices))], devices=devices),
+            batch_axes=("fsdp",),
+            mixed_precision=mixed_precision,
         )
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
@@ -70,15 +118,19 @@ class FullyShardedStrategy(Strategy):
             specs = shard_largest_dim(specs, shape, "fsdp", self.mesh.shape["fsdp"])
         return Layout(specs, self.mesh)
 
-    def trace_step(
-        self,
-        call: Callable[[Any, list[Any]], Any],
-        state: Any,
-        arrays: list[Any],
-        layouts: Any,
-        shardings: list[Any],
-    ) -> Any:
-        """Each read of a sharded variable gathered for compute, its gradient reduce-scattered."""
-        if not self.gather_at_read:
-            return call(state, arrays)
-        return gather_at_reads(call, state, arrays, layouts, shardings, self.mesh, self.batch_axes)
+    def memory_kind(self, path: str, leaf: Any) -> str | None:
+        """``"pinned_host"`` for optimizer state with ``offload_optimizer=True``."""
+        if self.offload_optimizer and "opt_state" in path.split("/"):
+            return HOST_MEMORY
+        return None
+
+    def read_options(self) -> ReadOptions:
+        """Gather at reads (unless ``gather_at_read=False``), reshard, remat, casts."""
+        return ReadOptions(
+            axes=self.batch_axes,
+            gather=self.gather_at_read,
+            reshard_after_forward=self.reshard_after_forward,
+            remat=self.remat,
+            remat_policy=self._policy,
+            mixed_precision=self.mixed_precision,
+        )

@@ -6,6 +6,7 @@ from typing import Any
 
 from dtensor import Layout, LayoutMap, Mesh
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 
 __all__ = ["LayoutStrategy"]
 
@@ -32,7 +33,12 @@ class LayoutStrategy(Strategy):
     name = "layout"
 
     def __init__(
-        self, mesh: Mesh, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None
+        self,
+        mesh: Mesh,
+        layout_map: LayoutMap | None = None,
+        batch_dim_name: str | None = None,
+        *,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         batch_dim_name = batch_dim_name if batch_dim_name is not None else mesh.dim_names[0]
         mesh.check_axis(batch_dim_name, "batch_dim_name")
@@ -42,7 +48,12 @@ class LayoutStrategy(Strategy):
                 f"the LayoutMap is over {self.layout_map.mesh!r} but the strategy's mesh is {mesh!r}; "
                 "build the LayoutMap on the same mesh."
             )
-        super().__init__(mesh, batch_axes=(batch_dim_name,), honor_annotations=True)
+        super().__init__(
+            mesh,
+            batch_axes=(batch_dim_name,),
+            honor_annotations=True,
+            mixed_precision=mixed_precision,
+        )
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
         return self.layout_map.layout_for(path, leaf).layout

@@ -10,6 +10,7 @@ import jax
 import dtensor
 from strategies import cross_device_ops as cdo
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 
 
 class MirroredStrategy(Strategy):
@@ -33,7 +34,11 @@ class MirroredStrategy(Strategy):
     name = "mirrored"
 
     def __init__(
-        self, devices: Sequence[Any] | None = None, *, cross_device_ops: Any = None
+        self,
+        devices: Sequence[Any] | None = None,
+        *,
+        cross_device_ops: Any = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.local_devices()
         if isinstance(cross_device_ops, cdo.HierarchicalCopyAllReduce):
@@ -47,10 +52,10 @@ class MirroredStrategy(Strategy):
                 )
             dims = [("group", groups), ("replica", len(devices) // groups)]
             mesh = dtensor.create_mesh(dims, devices=devices)
-            super().__init__(mesh, batch_axes=("group", "replica"))
+            super().__init__(mesh, batch_axes=("group", "replica"), mixed_precision=mixed_precision)
         else:
             mesh = dtensor.create_mesh([("replica", len(devices))], devices=devices)
-            super().__init__(mesh, batch_axes=("replica",))
+            super().__init__(mesh, batch_axes=("replica",), mixed_precision=mixed_precision)
         self.gradient_reduction = cdo.resolve(
             cross_device_ops, self.mesh, self.batch_axes, what="MirroredStrategy"
         )

@@ -10,6 +10,7 @@ import jax
 import dtensor
 from strategies import cross_device_ops as cdo
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -40,6 +41,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         communication_options: cdo.CommunicationOptions | None = None,
         cross_device_ops: Any = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         if communication_options is not None and not isinstance(
             communication_options, cdo.CommunicationOptions
@@ -68,7 +70,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         mesh = dtensor.create_mesh(
             [("worker", len(processes)), ("replica", len(by_process[0]))], devices=ordered
         )
-        super().__init__(mesh, batch_axes=("worker", "replica"))
+        super().__init__(mesh, batch_axes=("worker", "replica"), mixed_precision=mixed_precision)
         ops = cross_device_ops if cross_device_ops is not None else chosen
         self.gradient_reduction = cdo.resolve(
             ops, self.mesh, self.batch_axes, what="MultiWorkerMirroredStrategy"

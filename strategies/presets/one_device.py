@@ -8,6 +8,7 @@ import jax
 
 import dtensor
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 
 
 class OneDeviceStrategy(Strategy):
@@ -21,7 +22,13 @@ class OneDeviceStrategy(Strategy):
 
     name = "one_device"
 
-    def __init__(self, device: Any = None, *, devices: Any = None) -> None:
+    def __init__(
+        self,
+        device: Any = None,
+        *,
+        devices: Any = None,
+        mixed_precision: MixedPrecision | None = None,
+    ) -> None:
         if device is None:
             device = devices[0] if devices else jax.devices()[0]
         elif isinstance(device, str):
@@ -30,4 +37,8 @@ class OneDeviceStrategy(Strategy):
                 int(index or 0)
             ]
         self.device = device
-        super().__init__(dtensor.create_mesh([("device", 1)], devices=[device]), batch_axes=())
+        super().__init__(
+            dtensor.create_mesh([("device", 1)], devices=[device]),
+            batch_axes=(),
+            mixed_precision=mixed_precision,
+        )

@@ -12,6 +12,7 @@ import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 from strategies.partitioners import Partitioner
 
 __all__ = ["ParameterServerStrategy"]
@@ -44,6 +45,7 @@ class ParameterServerStrategy(Strategy):
         num_ps: int | None = None,
         *,
         devices: Sequence[Any] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         if variable_partitioner is not None and not callable(
             getattr(variable_partitioner, "num_shards", None)
@@ -66,7 +68,7 @@ class ParameterServerStrategy(Strategy):
         mesh = dtensor.create_mesh(
             [("ps", num_ps), ("worker", len(devices) // num_ps)], devices=devices
         )
-        super().__init__(mesh, batch_axes=("ps", "worker"))
+        super().__init__(mesh, batch_axes=("ps", "worker"), mixed_precision=mixed_precision)
 
     def variable_layout(self, path: str, leaf: Any) -> Layout:
         value = leaf_value(leaf)

@@ -16,7 +16,11 @@ import dtensor
 from dtensor import Layout, LayoutMap
 from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
+from strategies.param_reads import ReadOptions
 from strategies.sharding import nbytes, shard_largest_dim
+from strategies.swaps import check_remat
+from strategies.swaps import remat_policy as remat_policy_fn
 
 __all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
 
@@ -102,6 +106,9 @@ class HybridStrategy(Strategy):
             given as ``(regex, specs)`` pairs) tried before the Megatron rules.
         min_shard_bytes: variables smaller than this are not FSDP-sharded.
         devices: the devices.
+        reshard_after_forward, mixed_precision, remat, remat_policy: as for
+            :class:`strategies.FullyShardedStrategy`, for the ``fsdp`` axis
+            (XLA plans the gathers: parameter reads are not intercepted here).
 
     Examples:
         >>> import strategies
@@ -125,12 +132,20 @@ class HybridStrategy(Strategy):
         rules: LayoutMap | Sequence[tuple[str, Sequence[Any]]] | None = None,
         min_shard_bytes: int = 16 << 10,
         devices: Sequence[Any] | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecision | None = None,
+        remat: Sequence[type] | None = None,
+        remat_policy: Any = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
         mesh = dtensor.create_mesh(
             [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices
         )
-        super().__init__(mesh, batch_axes=("data", "fsdp"))
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.remat = check_remat(remat)
+        self.remat_policy = remat_policy
+        self._policy = remat_policy_fn(remat_policy)
+        super().__init__(mesh, batch_axes=("data", "fsdp"), mixed_precision=mixed_precision)
         if rules is not None and not isinstance(rules, LayoutMap):
             rules = LayoutMap(mesh, rules)
         if isinstance(rules, LayoutMap) and rules.mesh != mesh:
@@ -241,6 +256,16 @@ class HybridStrategy(Strategy):
                 total += tokens * features * item
         return total * 2 * (t - 1) / t
 
+    def read_options(self) -> ReadOptions:
+        """Remat (named classes; gather-only for ``fsdp``-split owners) and casts."""
+        return ReadOptions(
+            axes=("fsdp",),
+            reshard_after_forward=self.reshard_after_forward and self.mesh.shape["fsdp"] > 1,
+            remat=self.remat,
+            remat_policy=self._policy,
+            mixed_precision=self.mixed_precision,
+        )
+
     def rule_name(self, path: str, leaf: Any) -> str | None:
         _, rule = self._tensor_specs(path, leaf)
         if rule is None and self.mesh.shape["tensor"] > 1:
@@ -280,5 +305,13 @@ class TensorParallelStrategy(HybridStrategy):
         *,
         rules: LayoutMap | Sequence[tuple[str, Sequence[Any]]] | None = None,
         devices: Sequence[Any] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
-        super().__init__(data=-1, fsdp=1, tensor=tensor_parallel, rules=rules, devices=devices)
+        super().__init__(
+            data=-1,
+            fsdp=1,
+            tensor=tensor_parallel,
+            rules=rules,
+            devices=devices,
+            mixed_precision=mixed_precision,
+        )

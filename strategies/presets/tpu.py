@@ -9,6 +9,7 @@ import jax
 
 import dtensor
 from strategies.base import Strategy
+from strategies.mixed_precision import MixedPrecision
 
 
 class TPUStrategy(Strategy):
@@ -26,7 +27,12 @@ class TPUStrategy(Strategy):
 
     name = "tpu"
 
-    def __init__(self, devices: Sequence[Any] | None = None) -> None:
+    def __init__(
+        self,
+        devices: Sequence[Any] | None = None,
+        *,
+        mixed_precision: MixedPrecision | None = None,
+    ) -> None:
         if devices is None:
             platforms = sorted({d.platform for d in jax.devices()})
             if platforms != ["tpu"]:
@@ -38,4 +44,4 @@ class TPUStrategy(Strategy):
             mesh = dtensor.create_mesh([("replica", -1)])
         else:
             mesh = dtensor.create_mesh([("replica", len(list(devices)))], devices=list(devices))
-        super().__init__(mesh, batch_axes=("replica",))
+        super().__init__(mesh, batch_axes=("replica",), mixed_precision=mixed_precision)

@@ -8,8 +8,9 @@ new state back into the models, and bounds how many steps are in flight.
 
 What it asks of the strategy are its public policies and preset hooks:
 ``mesh``, ``batch_axes``, ``batch_layout``, ``storage_layout_fn``,
-``compute_layout``, ``adopt``, ``trace_step``, ``after_step``, ``gradient_reduction``,
-``max_steps_in_flight``, ``activation_bytes_min`` and ``shards_variables``.
+``compute_layout``, ``memory_kind``, ``adopt``, ``trace_step``, ``after_step``,
+``gradient_reduction``, ``max_steps_in_flight``, ``activation_bytes_min`` and
+``shards_variables``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.core import Tracer
 
 import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
 from dtensor.core.text import sizes_text
 from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
-from strategies import context
+from strategies import context, offload
 from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
@@ -54,6 +56,7 @@ class StepCompiler:
         self.strategy = strategy
         self.compiled = LRUCache(max_compiled)
         self.layouts = LRUCache(max_compiled)
+        self.kinds = LRUCache(max_compiled)
         self.graphs = GraphCaches()
         self.monitor = RecompileMonitor()
         self._in_flight: collections.deque[Any] = collections.deque()
@@ -85,17 +88,22 @@ class StepCompiler:
             kinds.append(kind)
         sig = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
         graph_key = cached.key if cached is not None else graphdef
+        memories = self.memory_kinds(graph_key, state) if nodes else None
+        if memories is not None:
+            state = self._in_memory(state, layouts, memories, device=False)
         fn_key = FunctionKey(fn)
         key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig)
         compiled = self.compiled.get(key)
         if compiled is None:
             fn_key = FunctionKey(fn, self._forget)  # the stored key watches the function
             key = (fn_key, *key[1:])
-            compiled = self._compile(fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica)
+            compiled = self._compile(
+                fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica, memories
+            )
             self.compiled.put(key, compiled)
             self.monitor.compiled(fn)
         if nodes:
-            state = self._relayout(state, layouts, compute=True)
+            state = self._relayout(state, layouts, compute=True, kinds=memories)
         with s.mesh:  # traced under the strategy's mesh, in scope() or not
             try:
                 new_state, out = compiled(state, arrays)
@@ -105,7 +113,7 @@ class StepCompiler:
                     raise
                 raise ours from None
         if nodes:
-            stored = self._relayout(new_state, layouts, compute=False)
+            stored = self._relayout(new_state, layouts, compute=False, kinds=memories)
             if cached is None:
                 nnx.update(tuple(nodes), stored)
             else:
@@ -174,6 +182,21 @@ class StepCompiler:
             mesh=self.strategy.mesh,
         )
 
+    def memory_kinds(self, key: Any, state: Any) -> Any:
+        """Each variable's memory kind between steps (``Strategy.memory_kind``), or ``None`` for all-device."""
+        found = self.kinds.get(key)
+        if found is None:
+            fn = self.strategy.memory_kind
+
+            def kind(path: Any, var: Any) -> str | None:
+                p = path_str(path)
+                return fn(p.split("/", 1)[1] if "/" in p else p, var) or "device"
+
+            tree = jax.tree_util.tree_map_with_path(kind, state, is_leaf=is_variable)
+            found = (tree if any(k != "device" for k in jax.tree.leaves(tree)) else None,)
+            self.kinds.put(key, found)
+        return found[0]
+
     def _place_state(self, state: Any, layouts: Any) -> Any:
         def place(var: Any, layout: Layout | None) -> Any:
             if layout is None:
@@ -181,6 +204,8 @@ class StepCompiler:
             value = leaf_value(var)
             if isinstance(value, jax.Array):
                 have, want = value.sharding, layout.sharding
+                if have.memory_kind not in (None, "device"):  # offloaded: moved by the step
+                    have = have.with_memory_kind("device")
                 # A jit's outputs say P() where the layout says P(None, None): same placement.
                 if have == want or have.is_equivalent_to(want, value.ndim):
                     return var
@@ -188,19 +213,59 @@ class StepCompiler:
 
         return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
 
-    def _relayout(self, state: Any, layouts: Any, *, compute: bool) -> Any:
-        """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ)."""
+    def _relayout(self, state: Any, layouts: Any, *, compute: bool, kinds: Any = None) -> Any:
+        """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ).
+
+        Variables with a memory kind (``kinds``) stored on another mesh move
+        between host memory (stored) and device memory (compute) here; those
+        on the compute mesh are moved inside the compiled step
+        (:meth:`_in_memory`).
+        """
         s = self.strategy
 
-        def move(var: Any, lay: Layout | None) -> Any:
+        def move(var: Any, lay: Layout | None, kind: str | None = None) -> Any:
             if lay is None:
                 return var
             target = s.compute_layout(lay)
+            value = leaf_value(var)
+            if kind not in (None, "device") and isinstance(value, jax.Array):
+                if target == lay:
+                    return var
+                if compute:
+                    return replace_value(var, offload.to_device(value, target.sharding))
+                return replace_value(var, offload.to_host(value, lay.sharding))
             if target == lay:
                 return var
-            return replace_value(var, dtensor.relayout(leaf_value(var), target if compute else lay))
+            return replace_value(var, dtensor.relayout(value, target if compute else lay))
 
-        return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
+        if kinds is None:
+            return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
+        return jax.tree.map(move, state, layouts, kinds, is_leaf=_var_or_layout)
+
+    def _in_memory(self, state: Any, layouts: Any, memories: Any, *, device: bool) -> Any:
+        """Offloaded variables kept on the compute mesh, in device memory or in their own.
+
+        Eagerly (before a step) this places them in host memory; inside the
+        compiled step it is XLA's transfer to device memory and back.
+        """
+        s = self.strategy
+
+        def move(var: Any, lay: Layout | None, kind: str | None) -> Any:
+            if lay is None or kind in (None, "device") or s.compute_layout(lay) != lay:
+                return var
+            value = leaf_value(var)
+            if isinstance(value, jax.ShapeDtypeStruct):
+                return replace_value(var, _abstract(value, lay, memory_kind=kind))
+            if not isinstance(value, jax.Array):
+                return var
+            if isinstance(value, Tracer):
+                target = lay.sharding.with_memory_kind("device" if device else kind)
+                return replace_value(var, jax.device_put(value, target))
+            if value.sharding.memory_kind == kind:
+                return var
+            return replace_value(var, offload.to_host(value, lay.sharding))
+
+        return jax.tree.map(move, state, layouts, memories, is_leaf=_var_or_layout)
 
     def _constrain(self, state: Any, layouts: Any) -> Any:
         s = self.strategy
@@ -283,15 +348,19 @@ class StepCompiler:
         layouts: Any,
         arrays: list[Any],
         per_replica: bool,
+        memories: Any = None,
     ) -> Compiled:
         s = self.strategy
         reduction = None if per_replica else s.gradient_reduction
 
-        def call(state: Any, arrays: list[Any]) -> Any:
+        def call(state: Any, arrays: list[Any], *, prepare: Any = None) -> Any:
             fn = fn_key.get()  # at trace time: the compiled step holds no strong reference
             if reduction is not None:  # explicit cross-device ops (strategies.cross_device_ops)
                 fn = reduction.wrap_step(fn)
-            nodes = iter(nnx.merge(graphdef, state) if graphdef is not None else ())
+            merged = nnx.merge(graphdef, state) if graphdef is not None else ()
+            if prepare is not None and graphdef is not None:
+                prepare(merged)  # the preset's swaps, on the objects merged in this trace
+            nodes = iter(merged)
             values = iter(arrays)
             flat = [
                 next(nodes)
@@ -318,10 +387,14 @@ class StepCompiler:
         compiler = self
 
         def pure(state: Any, arrays: list[Any]) -> Any:
+            if memories is not None:  # offloaded variables: host -> device for the step
+                state = compiler._in_memory(state, layouts, memories, device=True)
             new_state, out = s.trace_step(call, state, arrays, layouts, shardings)
             if new_state is not None:
                 check_same_structure(state, new_state)
                 new_state = compiler._constrain(new_state, layouts)
+                if memories is not None:  # and back to host memory
+                    new_state = compiler._in_memory(new_state, layouts, memories, device=False)
             return new_state, out
 
         return jax.jit(pure, donate_argnums=(0,) if graphdef is not None else ())
@@ -401,7 +474,12 @@ class StepCompiler:
                 )
                 arrays.append(v if on_mesh else _abstract(v, s.batch_layout(len(np.shape(v)))))
             kinds.append(kind)
-        compiled = self._compile(FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False)
+        memories = self.memory_kinds(graphdef, state) if nodes else None
+        if memories is not None:  # offloaded variables enter in host memory
+            state = self._in_memory(state, layouts, memories, device=False)
+        compiled = self._compile(
+            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories
+        )
         with s.mesh:
             try:
                 report = explain(
@@ -436,10 +514,13 @@ class StepCompiler:
         return tuple(out)
 
 
-def _abstract(value: Any, layout: Layout | None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        np.shape(value), value.dtype, sharding=None if layout is None else layout.sharding
-    )
+def _abstract(
+    value: Any, layout: Layout | None, *, memory_kind: str | None = None
+) -> jax.ShapeDtypeStruct:
+    sharding = None if layout is None else layout.sharding
+    if sharding is not None and memory_kind is not None:
+        sharding = sharding.with_memory_kind(memory_kind)
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
 
 
 def check_same_structure(before: Any, after: Any) -> None:

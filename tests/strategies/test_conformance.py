@@ -41,8 +41,20 @@ PRESETS = {
         strategies.FixedShardsPartitioner(2)
     ),
     "fully_sharded": lambda: strategies.FullyShardedStrategy(min_shard_bytes=0),
+    "fully_sharded_keep": lambda: strategies.FullyShardedStrategy(
+        min_shard_bytes=0, reshard_after_forward=False
+    ),
+    "fully_sharded_remat": lambda: strategies.FullyShardedStrategy(
+        min_shard_bytes=0, remat=(nnx.Linear,), remat_policy="dots_saveable"
+    ),
+    "fully_sharded_offload": lambda: strategies.FullyShardedStrategy(
+        min_shard_bytes=0, offload_optimizer=True
+    ),
     "tensor_parallel": lambda: strategies.TensorParallelStrategy(tensor_parallel=2),
     "hybrid": lambda: strategies.HybridStrategy(data=2, fsdp=2, tensor=2, min_shard_bytes=0),
+    "hybrid_remat": lambda: strategies.HybridStrategy(
+        data=2, fsdp=2, tensor=2, min_shard_bytes=0, remat=(nnx.Linear,)
+    ),
     "layout": _layout_strategy,
 }
 
@@ -89,13 +101,17 @@ def test_nnx_step_matches_single_device(preset, model_name):
     got = dict(jax.tree_util.tree_leaves_with_path(params))
     for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
         assert rel_err(got[path], want) <= TOL, (preset, jax.tree_util.keystr(path))
-    # The variables are still in the strategy's (storage) layouts after the steps.
+    # The variables are still in the strategy's (storage) layouts and memories after the steps.
     for path, var in jax.tree_util.tree_leaves_with_path(
-        nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)
+        nnx.state((model, opt)), is_leaf=lambda v: isinstance(v, nnx.Variable)
     ):
         value = var.get_value()
-        want = strategy.storage_layout_fn(dtensor.core.tree.path_str(path), var).layout
-        assert value.sharding.is_equivalent_to(want.sharding, value.ndim), (preset, path)
+        name = dtensor.core.tree.path_str(path).split("/", 1)[1]
+        want = strategy.storage_layout_fn(name, var).layout
+        have = value.sharding
+        assert have.memory_kind == (strategy.memory_kind(name, var) or "device"), (preset, path)
+        have = have.with_memory_kind("device")
+        assert have.is_equivalent_to(want.sharding, value.ndim), (preset, path)
 
 
 @pytest.mark.parametrize(

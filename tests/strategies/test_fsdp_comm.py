@@ -43,11 +43,17 @@ def _build(strategy, model_name):
     return model, opt, make_train_step(loss_fn), batches
 
 
-def report(preset, model_name):
-    key = (preset, model_name)
+def report(preset, model_name, **options):
+    key = (preset, model_name, tuple(sorted(options.items())))
     if key not in _REPORTS:
-        model, opt, step, batches = _build(strategies.from_name(preset), model_name)
-        _REPORTS[key] = strategies.from_name(preset).explain(step, args=(model, opt, batches(1)[0]))
+        make = lambda: (  # noqa: E731
+            strategies.FullyShardedStrategy(min_shard_bytes=0, **options)
+            if options
+            else strategies.from_name(preset)
+        )
+        model, opt, step, batches = _build(make(), model_name)
+        strategy = make()
+        _REPORTS[key] = strategy.explain(step, args=(model, opt, batches(1)[0]))
     return _REPORTS[key]
 
 
@@ -70,8 +76,10 @@ def test_fully_sharded_meets_the_targets(model_name):
 def test_fully_sharded_collectives_by_hand(model_name):
     """Matmul kernels: gathered, gradient reduce-scattered. Biases, norms, the
     embedding table (not matmul operands): gathered, gradient all-reduced. The
-    loss scalar: one more all-reduce."""
-    rep = report("fully_sharded", model_name)
+    loss scalar: one more all-reduce. (Gathered weights kept for the backward
+    pass: reshard_after_forward=False; tests/strategies/test_fsdp_options.py
+    counts the re-gathers.)"""
+    rep = report("fully_sharded", model_name, reshard_after_forward=False)
     kernels, others = _param_bytes(rep)
     kinds = rep.by_kind()
     assert kinds["reduce-scatter"] == pytest.approx(RING * kernels)
@@ -80,14 +88,18 @@ def test_fully_sharded_collectives_by_hand(model_name):
     # Each all-reduce operand is a non-kernel leaf's gradient (or the loss), so
     # at most the largest of those; with the exact totals above, no kernel's
     # gradient is all-reduced.
-    largest_other = max(v.global_bytes for v in rep.variables if v.trainable and not v.path.endswith("kernel"))
+    largest_other = max(
+        v.global_bytes for v in rep.variables if v.trainable and not v.path.endswith("kernel")
+    )
     for c in rep.collectives:
         if c.kind == "all-reduce":
             assert int(np.prod(c.shape)) * 4 <= largest_other
 
 
 def test_without_gather_at_read_xla_all_reduces_full_gradients():
-    model, opt, step, batches = _build(strategies.FullyShardedStrategy(min_shard_bytes=0), "transformer")
+    model, opt, step, batches = _build(
+        strategies.FullyShardedStrategy(min_shard_bytes=0), "transformer"
+    )
     plain = strategies.FullyShardedStrategy(min_shard_bytes=0, gather_at_read=False)
     rep = plain.explain(step, args=(model, opt, batches(1)[0]))
     kernels, others = _param_bytes(rep)
@@ -109,7 +121,9 @@ def test_hooks_stay_inside_the_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Variable hooks are deprecated" for the user
         strategy.run(step, args=(model, opt, batches(1)[0]))
-    for var in jax.tree.leaves(nnx.state((model, opt)), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    for var in jax.tree.leaves(
+        nnx.state((model, opt)), is_leaf=lambda v: isinstance(v, nnx.Variable)
+    ):
         assert "on_get_value" not in var.get_metadata()
     assert nnx.Embed.__call__.__name__ == "__call__"  # the scoped Embed patch is undone
 

@@ -1,0 +1,213 @@
+"""Per-instance class swaps on the NNX objects merged inside a traced step.
+
+Flax NNX has no hook that runs when a module is called, and its Variable
+read hooks are deprecated. Inside a step the compiler merges *fresh* module
+objects from the user's state; this module changes the class of some of
+them (never the user's objects, never a class of Flax's) to a cached
+subclass:
+
+- :func:`read_through` gives a Variable a subclass whose ``get_value`` sends
+  each read through a function (FSDP's gather, a mixed-precision cast);
+- :func:`swap_call` gives a module a subclass whose ``__call__`` is
+  rematerialised (``nnx.remat``) and/or lays an embedding lookup out like
+  its batch-split inputs.
+
+NNX records the runtime type in its graph definitions, and every subclass of
+a graph node is registered as one, so the swapped types survive the user's
+own ``nnx.value_and_grad``/``nnx.remat`` inside the step. :func:`strip`
+turns swapped Variables back into their own types before anything leaves
+the step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import variablelib
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    "check_remat",
+    "check_remat_classes",
+    "read_through",
+    "remat_policy",
+    "strip",
+    "swap_call",
+    "swapped_base",
+]
+
+_READ = "dtensor_read"
+_BASE = "_dtensor_base"
+
+
+def swapped_base(cls: type) -> type:
+    """The class a swapped class was made from (``cls`` itself when it was not swapped)."""
+    return cls.__dict__.get(_BASE, cls)
+
+
+# ---------------------------------------------------------------- Variables
+@functools.cache
+def _read_class(base: type) -> type:
+    def get_value(self: Any, *, index: Any = variablelib.MISSING) -> Any:
+        value = base.get_value(self)
+        read = self._var_metadata.get(_READ)
+        if read is not None:
+            value = read(value)
+        if index is variablelib.MISSING or index is ...:
+            return value
+        return value[index]
+
+    return type(base.__name__, (base,), {"get_value": get_value, _BASE: base, "__slots__": ()})
+
+
+def read_through(var: nnx.Variable, read: Callable[[Any], Any]) -> None:
+    """Make every read of ``var`` (an object merged inside a trace) return ``read(value)``.
+
+    Indexed reads (``var[i]``) index the result of ``read`` on the whole value.
+    """
+    base = swapped_base(type(var))
+    var.__class__ = _read_class(base)
+    var.set_metadata(_READ, read)
+
+
+def strip(tree: Any) -> Any:
+    """``tree`` with every swapped Variable back to its own class, its read function removed."""
+
+    def one(var: Any) -> Any:
+        if not isinstance(var, nnx.Variable) or _BASE not in type(var).__dict__:
+            return var
+        meta = {k: v for k, v in var.get_metadata().items() if k != _READ}
+        new = var.replace(var.get_raw_value())
+        new.__class__ = swapped_base(type(var))
+        new.set_metadata(meta)
+        return new
+
+    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# ------------------------------------------------------------------ modules
+_POLICIES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots_with_no_batch_dims",
+)
+
+
+def remat_policy(policy: Any) -> Any:
+    """A ``jax.checkpoint`` policy from ``remat_policy=`` (a name, a callable, or ``None``).
+
+    Examples:
+        >>> import jax
+        >>> from strategies.swaps import remat_policy
+        >>> remat_policy("dots_saveable") is jax.checkpoint_policies.dots_saveable
+        True
+        >>> remat_policy(None) is None
+        True
+    """
+    if policy is None:
+        return None
+    name = policy if isinstance(policy, str) else getattr(policy, "__qualname__", "")
+    if "save_anything_except_these_names" in name:
+        raise ValueError(
+            "remat_policy='save_anything_except_these_names' is not supported: in this JAX it "
+            "saves everything (a stub), and a gathered weight is also saved under an unnamed "
+            "output, so excluding names cannot free it. Name what to save instead: "
+            "jax.checkpoint_policies.save_only_these_names(...), 'dots_saveable', or None "
+            "(save only the block's inputs)."
+        )
+    if callable(policy) and not isinstance(policy, str):
+        return policy
+    if isinstance(policy, str) and policy in _POLICIES:
+        return getattr(jax.checkpoint_policies, policy)
+    raise ValueError(
+        f"remat_policy={policy!r} is not a checkpoint policy; valid names are {_POLICIES}, or "
+        "pass a callable from jax.checkpoint_policies (e.g. save_only_these_names('x')), or "
+        "None to save only each block's inputs."
+    )
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def _embed_call(self: Any, inputs: Any, *args: Any, out_sharding: Any = None, **kw: Any) -> Any:
+    """``nnx.Embed.__call__``, its lookup laid out like batch-split ``inputs`` (Explicit axes)."""
+    if out_sharding is None and isinstance(inputs, jax.Array):
+        spec = jax.typeof(inputs).sharding.spec
+        if any(entry is not None for entry in spec):
+            out_sharding = PartitionSpec(*spec, None)
+    return nnx.Embed.__call__(self, inputs, *args, out_sharding=out_sharding, **kw)
+
+
+@functools.cache
+def _call_class(base: type, remat: bool, policy: Any, prevent_cse: bool, embed: bool) -> type:
+    inner = _embed_call if embed else base.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not remat:
+            return inner(self, *args, **kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = [x for x in leaves if _is_array(x)]
+
+        def body(module: Any, *arrays: Any) -> Any:
+            it = iter(arrays)
+            a, kw = jax.tree.unflatten(treedef, [next(it) if _is_array(x) else x for x in leaves])
+            return inner(module, *a, **kw)
+
+        return nnx.remat(body, prevent_cse=prevent_cse, policy=policy)(self, *arrays)
+
+    return type(base.__name__, (base,), {"__call__": __call__, _BASE: base})
+
+
+def swap_call(
+    module: nnx.Module,
+    *,
+    remat: bool,
+    policy: Any = None,
+    prevent_cse: bool = True,
+    embed: bool = False,
+) -> None:
+    """Give ``module`` (an object merged inside a trace) a cached subclass with a wrapped ``__call__``.
+
+    ``remat``: its calls are recomputed in the backward pass (``nnx.remat``
+    with ``policy``), so what they read — gathered weights — is not kept.
+    ``embed``: an ``nnx.Embed`` lookup takes the layout of batch-split inputs.
+    """
+    base = swapped_base(type(module))
+    module.__class__ = _call_class(base, remat, policy, prevent_cse, embed)
+
+
+def check_remat_classes(remat: Iterable[type], nodes: Any) -> None:
+    """Raise if a class named in ``remat=`` occurs nowhere in ``nodes``."""
+    present = {swapped_base(type(node)) for _, node in nnx.iter_graph(nodes)}
+    for cls in remat:
+        if not any(issubclass(p, cls) for p in present if isinstance(p, type)):
+            names = sorted({p.__name__ for p in present if issubclass(p, nnx.Module)})
+            raise ValueError(
+                f"remat=({cls.__name__}, ...) names a module class the step's models never "
+                f"contain; their module classes are {names}. Name one of those (the class of "
+                "each block to recompute), or drop it from remat=."
+            )
+
+
+def check_remat(remat: Any) -> tuple[type, ...]:
+    """``remat=`` as given to a preset, checked: ``None`` or module classes, as a tuple."""
+    if remat is None:
+        return ()
+    items = (remat,) if isinstance(remat, type) else tuple(remat)
+    for cls in items:
+        if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+            raise TypeError(
+                f"remat={remat!r} holds {cls!r}, which is not a Flax NNX module class; valid is "
+                "a tuple of nnx.Module subclasses whose calls are recomputed in the backward "
+                "pass (e.g. remat=(Block,)). Pass the classes themselves, not instances."
+            )
+    return items
