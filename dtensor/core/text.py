@@ -145,7 +145,7 @@ def layouts_table(
                 "×".join(map(str, shape)) or "scalar",
                 _SHORT_DTYPES.get(dtype, dtype),
                 compact_layout(layout),
-                elide_middle(rule or "-", 20),
+                elide_middle(rule or "-", 20 if width <= 100 else 60),
                 human_bytes(per),
             ]
         )
