@@ -464,7 +464,7 @@ class Strategy:
 
         parts = [repr(self)]
         if tree is not None:
-            parts.append(render(layouts_table(tree, *self.variable_layouts(tree))))
+            parts.append(render(layouts_table(tree, *self.variable_layouts(tree), width=110)))
         return "\n".join(parts)
 
     def __repr__(self) -> str:
