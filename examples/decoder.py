@@ -164,8 +164,9 @@ class Block(nnx.Module):
 def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """``table[tokens]``; on Explicit mesh axes laid out like the (batch-split) tokens."""
     spec = getattr(getattr(jax.typeof(tokens), "sharding", None), "spec", None)
-    if spec is not None and any(entry is not None for entry in spec):
-        return table.at[tokens].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
+    parts = tuple(getattr(spec, "partitions", ()) or ())
+    if any(entry is not None for entry in parts):
+        return table.at[tokens].get(out_sharding=jax.sharding.PartitionSpec(*parts, None))
     return jnp.take(table, tokens, axis=0)
 
 

@@ -252,6 +252,7 @@ def explain(
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
     terms = _peak_terms(traced.jaxpr, args, in_shardings, var_arg, infos, data, mesh)
+    ideal = (ideal_peak or ideal_peak_bytes)(terms)
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
@@ -271,14 +272,14 @@ def explain(
         dcn_bytes_per_device=_network_bytes(collectives, "dcn", slices),
         memory_fit=_memory_fit(mem, mesh, advice),
         peak_bytes_per_device=_peak(mem),
-        ideal_peak_bytes_per_device=(ideal_peak or ideal_peak_bytes)(terms),
+        ideal_peak_bytes_per_device=ideal,
         ideal_peak_terms=terms,
     )
 
 
 def _peak(mem: Any) -> int | None:
     """XLA's peak per device: arguments + temporaries + outputs - aliased."""
-    fields = [_mem(mem, f) for f in ("argument", "temp", "output", "alias")]
+    fields = [_mem(mem, f"{f}_size_in_bytes") for f in ("argument", "temp", "output", "alias")]
     if any(f is None for f in fields):
         return None
     arg, temp, out, alias = (int(f or 0) for f in fields)

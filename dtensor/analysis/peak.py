@@ -137,7 +137,8 @@ def _split(aval: Any, replicas: int) -> int:
     mesh = getattr(sharding, "mesh", None)
     if spec is not None and mesh is not None:
         sizes = dict(getattr(mesh, "shape", {}) or {})
-        axes = [a for s in spec if s is not None for a in (s if isinstance(s, tuple) else (s,))]
+        parts = tuple(getattr(spec, "partitions", ()) or ())
+        axes = [a for s in parts if s is not None for a in (s if isinstance(s, tuple) else (s,))]
         n = math.prod(int(sizes.get(a, 1)) for a in axes)
         if n > 1:
             return n
