@@ -92,4 +92,4 @@ def memory_advice(strategy: Any) -> str:
         if accepts(cls, option) and getattr(strategy, option, off) in (off, ()):
             tips.append(tip)
     tips += ["a smaller batch per chip", "more chips (the sharded state divides by their number)"]
-    return f"For {cls.__name__} try " + "; ".join(tips) + "."
+    return "Try " + "; ".join(tips) + "."
