@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ import strategies
 from examples.decoder import CONFIGS, Block, Decoder, loss_fn, param_count
 
 STEPS = 3
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
 
 def _batches(cfg, n=STEPS, batch=8, seq=16):
@@ -77,3 +79,40 @@ def test_public_sizes_by_eval_shape():
     assert len(seven.blocks) == 28 and isinstance(seven.blocks[0], Block)
     two = nnx.eval_shape(lambda: Decoder(CONFIGS["2b"], rngs=nnx.Rngs(0)))
     assert two.blocks[0].attn.key.shape == (2048, 1, 256) and len(two.blocks) == 18
+
+
+def test_tiny_decoder_compiles_ahead_of_time_like_on_cpu(capsys):
+    from dtensor.tpu import aot
+
+    module = aot.load_script(DEMO)
+    argv = [
+        "--strategy",
+        "fully_sharded",
+        "--model-size",
+        "tiny",
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "32",
+    ]
+    tpu = aot.compile_script(
+        module, argv + ["--mixed-precision", "bf16", "--remat"], topology="v5e:4x4"
+    )
+    printed = capsys.readouterr().out
+    assert "mixed_precision: " in printed and "remat: " in printed
+    assert set(module.LAST_OPTIONS) == {"mixed_precision", "remat"}
+    cpu_strategy, step, args = module.aot_step(argv, devices=jax.devices())
+    cpu = cpu_strategy.explain(step, args=tuple(args))
+    r = tpu.report
+    # The same variables, shapes and layouts (split on the same dimension) on both compilers.
+    assert [(v.path, v.shape, v.dtype, v.layout) for v in r.variables] == [
+        (v.path, v.shape, v.dtype, v.layout) for v in cpu.variables
+    ]
+    assert r.mesh == "Mesh(fsdp=16)" and cpu.mesh == "Mesh(fsdp=8)"
+    assert r.memory_fit.fits and r.peak_bytes_per_device > 0 and r.ideal_peak_bytes_per_device > 0
+    assert (
+        r.ideal_peak_terms.gathered
+        and "all-gather" in r.by_kind()
+        and "all-gather" in cpu.by_kind()
+    )
+    assert "ideal peak (ZeRO formula)" in aot.summary(tpu)
