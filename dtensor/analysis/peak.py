@@ -19,7 +19,8 @@ layouts and the program's own data flow need at least, per device:
 - ``activations``: the most bytes of batch-carrying values (arrays whose
   leading dimensions are the batch's) the step keeps live at once, per
   device, measured on the traced step (``jax.jit(...).trace``) by
-  freeing every value after its last use. What a remat policy drops is not
+  freeing every value after its last use and storing no elementwise result
+  (XLA fuses those into their consumers). What a remat policy drops is not
   live, so this is "activations as remat leaves them": block inputs for the
   whole depth, plus one block's recomputed internals;
 - ``batch``: the step's array arguments other than the state, per device.
@@ -90,7 +91,9 @@ def activation_peak_bytes(
     bytes per device are divided by the number of devices its traced
     sharding splits it over, else by ``replicas``. Values are freed after
     their last use; a call (``remat``, ``pjit``, ``scan``...) adds its own
-    body's peak while it runs.
+    body's peak while it runs. Elementwise results (:data:`FUSED`) are never
+    stored, as XLA fuses them into their consumers: their operands stay live
+    until those consumers run instead.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -104,7 +107,7 @@ def activation_peak_bytes(
         ...     traced = jax.jit(jax.grad(loss)).trace(jnp.ones((8, 8)), jnp.ones((4, 8)))
         ...     return activation_peak_bytes(traced.jaxpr, batch_prefixes=[(4,)], replicas=1)
         >>> peak(layer), peak(jax.checkpoint(layer))   # remat keeps only each layer's input
-        (4608, 1920)
+        (2304, 1664)
     """
     prefixes = tuple({tuple(p) for p in batch_prefixes if p})
 
@@ -145,18 +148,45 @@ def _split(aval: Any, replicas: int) -> int:
     return max(replicas, 1)
 
 
+#: Primitives XLA fuses into their consumers: their results are recomputed where used,
+#: never stored (their operands stay live instead).
+FUSED = frozenset(
+    """abs add add_any and broadcast_in_dim ceil clamp convert_element_type copy copy_p cos
+    div eq erf erf_inv exp exp2 expand_dims expm1 floor ge gt integer_pow iota is_finite le
+    log log1p logistic lt max min mul ne neg not or pow reduce_precision rem reshape round
+    rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh xor""".split()
+)
+
+
 def _peak(jaxpr: Any, size: Any) -> int:
     from jax.extend import core as jcore
 
+    def is_var(v: Any) -> bool:
+        return isinstance(v, jcore.Var) and not isinstance(v, jcore.DropVar)
+
     eqns = jaxpr.eqns
+    # A fused value stands for the stored values it is computed from (its roots).
+    roots: dict[Any, frozenset[Any]] = {}
+
+    def of(v: Any) -> frozenset[Any]:
+        return roots.get(v, frozenset((v,))) if is_var(v) else frozenset()
+
+    stored: set[Any] = set()
     last: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                last[v] = i
+        ins = frozenset().union(*(of(v) for v in eqn.invars))
+        for r in ins:
+            last[r] = i
+        for v in eqn.outvars:
+            if not is_var(v):
+                continue
+            if eqn.primitive.name in FUSED:
+                roots[v] = ins
+            else:
+                stored.add(v)
     for v in jaxpr.outvars:
-        if isinstance(v, jcore.Var):
-            last[v] = len(eqns)
+        for r in of(v):
+            last[r] = len(eqns)
     live = sum(size(v) for v in (*jaxpr.invars, *jaxpr.constvars))
     peak = live
     for i, eqn in enumerate(eqns):
@@ -164,11 +194,10 @@ def _peak(jaxpr: Any, size: Any) -> int:
         for sub in jcore.jaxprs_in_params(eqn.params):
             body = getattr(sub, "jaxpr", sub)
             inner = max(inner, _peak(body, size) - sum(size(v) for v in body.invars))
-        out = sum(size(v) for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+        out = sum(size(v) for v in eqn.outvars if v in stored)
         peak = max(peak, live + max(inner, 0) + out)
-        live += sum(
-            size(v) for v in eqn.outvars if not isinstance(v, jcore.DropVar) and last.get(v, -1) > i
-        )
-        for v in {v for v in eqn.invars if isinstance(v, jcore.Var) and last.get(v) == i}:
-            live -= size(v)
+        live += sum(size(v) for v in eqn.outvars if v in stored and last.get(v, -1) > i)
+        for r in frozenset().union(*(of(v) for v in eqn.invars)):
+            if last.get(r) == i:
+                live -= size(r)
     return peak
