@@ -216,10 +216,12 @@ def explain(
             )
         variables = args[0]
     var_arg = next((i for i, a in enumerate(args) if a is variables), None)
-    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    traced = jitted.trace(*args, **kwargs)  # type: ignore[attr-defined]
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    # Trace once: the jaxpr gives the activations of the ideal peak, then lower it.
+    traced = jitted.trace(*args, **kwargs) if hasattr(jitted, "trace") else None
     try:
-        compiled = traced.lower().compile()
+        lowered = traced.lower() if traced is not None else jitted.lower(*args, **kwargs)
+        compiled = lowered.compile()
     except Exception as err:  # the TPU compiler refuses programs larger than HBM
         from dtensor.analysis.memory import out_of_memory
 
@@ -251,7 +253,8 @@ def explain(
     findings += _check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
-    terms = _peak_terms(traced.jaxpr, args, in_shardings, var_arg, infos, data, mesh)
+    jaxpr = traced.jaxpr if traced is not None else None
+    terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh)
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
     return Report(
         collectives=collectives,
@@ -323,7 +326,11 @@ def _peak_terms(
         state=sum(v.bytes_per_device for v, _ in infos),
         gradients=sum(v.bytes_per_device for v, _ in infos if v.trainable),
         gathered=tuple(sorted(gathered, reverse=True)),
-        activations=activation_peak_bytes(jaxpr, batch_prefixes=prefixes, replicas=replicas),
+        activations=(
+            0
+            if jaxpr is None
+            else activation_peak_bytes(jaxpr, batch_prefixes=prefixes, replicas=replicas)
+        ),
         batch=batch,
     )
 
