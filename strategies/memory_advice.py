@@ -88,8 +88,17 @@ def memory_advice(strategy: Any) -> str:
             "offload_optimizer=True (optimizer state in host memory)",
         ),
     ]
+    # Where this version of the preset lacks an option, the model can do the same itself.
+    by_model = {
+        "remat": "nnx.remat around each block's call (activation checkpointing in the model)",
+        "mixed_precision": "bfloat16 compute in the model (cast each weight read; float32 "
+        "variables)",
+    }
     for option, off, tip in options:
-        if accepts(cls, option) and getattr(strategy, option, off) in (off, ()):
+        if not accepts(cls, option):
+            if option in by_model:
+                tips.append(by_model[option])
+        elif getattr(strategy, option, off) in (off, ()):
             tips.append(tip)
     tips += ["a smaller batch per chip", "more chips (the sharded state divides by their number)"]
     return "Try " + "; ".join(tips) + "."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import jax
@@ -112,6 +113,8 @@ def test_advice_names_what_helps_for_the_preset_in_use():
     today = memory_advice(strategies.FullyShardedStrategy())
     assert "FullyShardedStrategy" not in today and "Shard the variables" not in today
     assert "more chips" in today and "smaller batch" in today
+    if "remat" not in inspect.signature(strategies.FullyShardedStrategy).parameters:
+        assert "nnx.remat" in today and "bfloat16 compute in the model" in today
     full = memory_advice(_FullFSDP())
     assert (
         "remat=(YourBlock,)" in full
