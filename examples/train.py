@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=[*SIZES, *DECODER_SIZES],
         default="demo",
         help="demo/small/medium: the character-level model; tiny/2b/7b: the Gemma-style decoder "
-        "of examples/decoder.py (2b and 7b for python -m dtensor.aot only)",
+        "of examples/decoder.py, for python -m dtensor.aot (its aot_step)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the size's)")
