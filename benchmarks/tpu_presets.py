@@ -22,8 +22,8 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 def run(topology: str = "v5e:4x4", num_slices: int = 1, model_size: str = "small", batch_size: int = 64) -> dict[str, Any]:
     """Compile the demo under every preset for the topology; the rows of the table."""
     import strategies
-    from dtensor import aot
     from dtensor.analysis.memory import WillNotFitError
+    from dtensor.tpu import aot
 
     module = aot.load_script(DEMO)
     rows = []

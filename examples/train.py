@@ -4,6 +4,8 @@
     python examples/train.py --strategy fully_sharded
     python examples/train.py --list-strategies
     python -m dtensor.launch -n 2 -- python examples/train.py --strategy multi_worker_mirrored
+    python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py \
+        --model-size 7b --batch-size 16 --seq-len 1024 --mixed-precision bf16 --remat
 
 The corpus is built at run time from the Python standard library's own
 docstrings and source (nothing is downloaded). The run shows the mesh and every
@@ -26,12 +28,16 @@ import time
 from pathlib import Path
 
 SIZES = {
-    #         dim, layers, heads, mlp, seq
-    "tiny": (64, 2, 4, 256, 64),
+    #         dim, layers, heads, mlp, seq   (the character-level demo model)
+    "demo": (64, 2, 4, 256, 64),
     "small": (128, 4, 4, 512, 128),
     "medium": (256, 6, 8, 1024, 256),
 }
 VOCAB = 128  # ASCII; anything else becomes '?'
+# The Gemma-style decoder of examples/decoder.py (its CONFIGS), for ahead-of-time compiles.
+DECODER_SIZES = ("tiny", "2b", "7b")
+#: How the last aot_step applied --mixed-precision / --remat / ... (read by benchmarks).
+LAST_OPTIONS: dict[str, str] = {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,8 +45,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="mirrored", help="a preset name (see --list-strategies)")
     p.add_argument("--list-strategies", action="store_true", help="list the presets and exit")
     p.add_argument("--steps", type=int, default=1000, help="total training steps (default 1000)")
-    p.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
+    p.add_argument(
+        "--model-size",
+        choices=[*SIZES, *DECODER_SIZES],
+        default="demo",
+        help="demo/small/medium: the character-level model; tiny/2b/7b: the Gemma-style decoder "
+        "of examples/decoder.py, for python -m dtensor.aot (its aot_step)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=["none", "bf16"],
+        default="none",
+        help="bf16: float32 variables, bfloat16 reads (strategies.MixedPrecision where the preset "
+        "takes it, else the decoder casts its weight reads)",
+    )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each block in the backward pass (the preset's remat= where it takes it, "
+        "else the decoder's own nnx.remat)",
+    )
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP: keep gathered weights for the backward pass")
+    p.add_argument("--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)")
+    p.add_argument("--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory")
+    p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
     p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go")
@@ -153,6 +183,81 @@ def train_step(model, optimizer, batch):
     return loss
 
 
+def decoder_module():
+    """``examples/decoder.py``, imported once (this script may itself be loaded from a path)."""
+    import importlib.util
+
+    name = "_dtensor_example_decoder"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "decoder.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def decoder_train_step(model, optimizer, batch):
+    from flax import nnx
+
+    loss, grads = nnx.value_and_grad(decoder_module().loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def build_strategy(args: argparse.Namespace, devices, block_cls=None):
+    """The preset named by ``--strategy`` over ``devices``, with the options it takes.
+
+    Returns ``(strategy, model_changes, applied)``: options the preset does not take
+    fall back to the decoder's own (``dtype``/``remat``) where it has them, else are
+    "not available"; ``applied`` says which for each.
+    """
+    import jax.numpy as jnp
+
+    import strategies
+    from strategies.memory_advice import accepts
+
+    strategy = strategies.from_name(args.strategy, devices=devices)
+    cls = type(strategy)
+    wanted: dict[str, object] = {}
+    applied: dict[str, str] = {}
+    model_changes: dict[str, object] = {}
+    decoder = block_cls is not None
+    if args.mixed_precision == "bf16":
+        if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
+            wanted["mixed_precision"] = strategies.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+            applied["mixed_precision"] = "strategy"
+        elif decoder:
+            model_changes["dtype"] = jnp.bfloat16
+            applied["mixed_precision"] = "model (bf16 weight reads; preset option not available)"
+        else:
+            applied["mixed_precision"] = "not available"
+    if args.remat:
+        if accepts(cls, "remat") and decoder:
+            wanted["remat"] = (block_cls,)
+            applied["remat"] = "strategy"
+        elif decoder:
+            model_changes["remat"] = True
+            applied["remat"] = "model (nnx.remat per block; preset option not available)"
+        else:
+            applied["remat"] = "not available"
+    for flag, option, value in (
+        ("no_reshard_after_forward", "reshard_after_forward", False),
+        ("xla_plan", "gather_at_read", False),
+        ("offload_optimizer", "offload_optimizer", True),
+    ):
+        if getattr(args, flag):
+            ok = accepts(cls, option)
+            applied[option] = "strategy" if ok else "not available"
+            if ok:
+                wanted[option] = value
+    if wanted:
+        if cls.__name__ != "FullyShardedStrategy":
+            applied.update({k: "not available" for k in wanted})
+        else:
+            strategy = cls(list(devices), min_shard_bytes=0, **wanted)
+    return strategy, model_changes, applied
+
+
 def aot_step(argv: list[str], *, devices):
     """For ``python -m dtensor.aot``: this script's strategy over ``devices``, its train
     step, and the step's arguments, abstract (nothing is allocated)."""
@@ -161,25 +266,41 @@ def aot_step(argv: list[str], *, devices):
     import optax
     from flax import nnx
 
-    import strategies
-
     args = parse_args(argv)
-    strategy = strategies.from_name(args.strategy, devices=devices)
+    decoder = decoder_module() if args.model_size in DECODER_SIZES else None
+    strategy, changes, applied = build_strategy(args, devices, decoder.Block if decoder else None)
+    LAST_OPTIONS.clear()
+    LAST_OPTIONS.update(applied)
+    for option, how in applied.items():
+        print(f"{option}: {how}")
     if args.batch_size % strategy.num_replicas_in_sync:
         raise ValueError(
             f"--batch-size {args.batch_size} does not divide over the {strategy.num_replicas_in_sync} "
             f"replicas of {args.strategy} on {len(devices)} devices; pass a multiple of it."
         )
-    dim, layers, heads, mlp, seq = SIZES[args.model_size]
-    CharLM = make_model_cls()
+    if decoder is not None:
+        cfg = decoder.CONFIGS[args.model_size].replace(scan=args.scan, **changes)
+        seq = args.seq_len or 1024
 
-    def build():
-        model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
-        return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+        def build():
+            model = decoder.Decoder(cfg, rngs=nnx.Rngs(args.seed))
+            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+
+        step = decoder_train_step
+    else:
+        dim, layers, heads, mlp, seq = SIZES[args.model_size]
+        seq = args.seq_len or seq
+        CharLM = make_model_cls()
+
+        def build():
+            model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
+            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+
+        step = train_step
 
     model, optimizer = nnx.eval_shape(build)
     batch = {k: jax.ShapeDtypeStruct((args.batch_size, seq), jnp.int32) for k in ("x", "y")}
-    return strategy, train_step, (model, optimizer, batch)
+    return strategy, step, (model, optimizer, batch)
 
 
 # ---------------------------------------------------------------------- views
@@ -298,8 +419,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[bold]{name:24}[/] {what}")
         return 0
 
+    if args.model_size in DECODER_SIZES:
+        console.print(f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}")
+        return 2
     strategy = strategies.from_name(args.strategy)
     dim, layers, heads, mlp, seq = SIZES[args.model_size]
+    seq = args.seq_len or seq
     if args.batch_size % strategy.num_replicas_in_sync:
         console.print(f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas.")
         return 2

@@ -190,6 +190,27 @@ class Strategy:
         """Bytes per device of activations the layouts must move in one step (0: none)."""
         return 0.0
 
+    def ideal_peak_bytes(self, terms: Any) -> int:
+        """The ideal peak bytes per device of a step (``Report.ideal_peak_bytes_per_device``).
+
+        ``terms`` is a :class:`dtensor.analysis.peak.PeakTerms`. The default is
+        the ZeRO formula of :func:`dtensor.analysis.peak.ideal_peak_bytes`:
+        state and gradients in this preset's layouts, the two largest
+        gathered variables at the dtype this preset gathers them in
+        (``mixed_precision.param_dtype`` when set), activations as remat
+        leaves them, and the batch.
+        """
+        from dtensor.analysis.peak import ideal_peak_bytes
+        from strategies.memory_advice import gather_itemsize_ratio
+
+        return ideal_peak_bytes(terms, gather_itemsize_ratio=gather_itemsize_ratio(self))
+
+    def memory_advice(self) -> str:
+        """What would help a step that does not fit, given this preset and its options."""
+        from strategies.memory_advice import memory_advice
+
+        return memory_advice(self)
+
     # ------------------------------------------------------------------ scope
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from dtensor.analysis.hlo import Collective, parse_collectives
+from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
 from dtensor.core.layout import Layout
 from dtensor.core.mesh import Mesh
@@ -150,6 +151,8 @@ def explain(
     activation_bytes_min: float = 0.0,
     expect_sharded: bool = False,
     replicated_warn_bytes: int = 1 << 20,
+    ideal_peak: Callable[[PeakTerms], int] | None = None,
+    advice: str | None = None,
     **kwargs: Any,
 ) -> Report:
     """Compile ``fn(*args, **kwargs)`` (never run it) and report its cost.
@@ -176,6 +179,13 @@ def explain(
             only when the mesh has more than one device off the data axes).
         replicated_warn_bytes: the size above which a replicated variable is
             "large".
+        ideal_peak: ``PeakTerms -> bytes``, the ideal peak per device (see
+            :mod:`dtensor.analysis.peak`); default
+            :func:`dtensor.analysis.peak.ideal_peak_bytes`. Strategies pass
+            their ``ideal_peak_bytes``.
+        advice: what would lower the memory, for the verdict of a program
+            that does not fit (default: shard the variables, shrink the
+            batch, use more chips). Strategies pass their own.
         **kwargs: keyword arguments of ``fn`` (any but the names above).
 
     Returns:
@@ -206,13 +216,16 @@ def explain(
             )
         variables = args[0]
     var_arg = next((i for i, a in enumerate(args) if a is variables), None)
-    lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower  # type: ignore[attr-defined]
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    # Trace once: the jaxpr gives the activations of the ideal peak, then lower it.
+    traced = jitted.trace(*args, **kwargs) if hasattr(jitted, "trace") else None
     try:
-        compiled = lower(*args, **kwargs).compile()
+        lowered = traced.lower() if traced is not None else jitted.lower(*args, **kwargs)
+        compiled = lowered.compile()
     except Exception as err:  # the TPU compiler refuses programs larger than HBM
         from dtensor.analysis.memory import out_of_memory
 
-        oom = out_of_memory(err)
+        oom = out_of_memory(err, advice=advice)
         if oom is None:
             raise
         raise oom from None
@@ -240,6 +253,9 @@ def explain(
     findings += _check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
+    jaxpr = traced.jaxpr if traced is not None else None
+    terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh)
+    ideal = (ideal_peak or ideal_peak_bytes)(terms)
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
@@ -257,7 +273,65 @@ def explain(
         compiled=compiled,
         ici_bytes_per_device=_network_bytes(collectives, "ici", slices),
         dcn_bytes_per_device=_network_bytes(collectives, "dcn", slices),
-        memory_fit=_memory_fit(mem, mesh),
+        memory_fit=_memory_fit(mem, mesh, advice),
+        peak_bytes_per_device=_peak(mem),
+        ideal_peak_bytes_per_device=ideal,
+        ideal_peak_terms=terms,
+    )
+
+
+def _peak(mem: Any) -> int | None:
+    """XLA's peak per device: arguments + temporaries + outputs - aliased."""
+    fields = [_mem(mem, f"{f}_size_in_bytes") for f in ("argument", "temp", "output", "alias")]
+    if any(f is None for f in fields):
+        return None
+    arg, temp, out, alias = (int(f or 0) for f in fields)
+    return arg + temp + out - alias
+
+
+def _peak_terms(
+    jaxpr: Any,
+    args: tuple[Any, ...],
+    in_shardings: Any,
+    var_arg: int | None,
+    infos: list[tuple[VariableInfo, float]],
+    data: tuple[str, ...],
+    mesh: Mesh | None,
+) -> PeakTerms:
+    """The figures of the ideal-peak formula (:mod:`dtensor.analysis.peak`)."""
+    sizes = mesh.shape if mesh is not None else {}
+    replicas = math.prod(sizes.get(a, 1) for a in data)
+    gathered = []
+    for v, _ in infos:  # trainable variables split over a data axis are gathered (ZeRO-3)
+        axes = set(
+            v.layout.replace("(", ",").replace(")", ",").strip("[]").replace(" ", "").split(",")
+        )
+        if v.trainable and v.bytes_per_device < v.global_bytes and axes & set(data):
+            gathered.append(v.global_bytes)
+    batch = 0
+    prefixes: list[tuple[int, ...]] = []
+    for i, arg in enumerate(args):
+        if i == var_arg:
+            continue
+        got = jax.tree.leaves(in_shardings[i]) if i < len(in_shardings) else []
+        leaves = [x for x in jax.tree.leaves(arg) if is_array(x)]
+        for k, leaf in enumerate(leaves):
+            shape = tuple(int(d) for d in np.shape(leaf))
+            s = got[k] if len(got) == len(leaves) else None
+            local = s.shard_shape(shape) if s is not None else shape
+            batch += math.prod(local) * np.dtype(leaf.dtype).itemsize
+            if shape:
+                prefixes.append(shape[:1])
+    return PeakTerms(
+        state=sum(v.bytes_per_device for v, _ in infos),
+        gradients=sum(v.bytes_per_device for v, _ in infos if v.trainable),
+        gathered=tuple(sorted(gathered, reverse=True)),
+        activations=(
+            0
+            if jaxpr is None
+            else activation_peak_bytes(jaxpr, batch_prefixes=prefixes, replicas=replicas)
+        ),
+        batch=batch,
     )
 
 
@@ -274,12 +348,12 @@ def _network_bytes(collectives: Sequence[Collective], network: str, slices: Any)
     return float(sum(c.total_bytes_per_device for c in collectives if c.network == network))
 
 
-def _memory_fit(mem: Any, mesh: Mesh | None) -> Any:
+def _memory_fit(mem: Any, mesh: Mesh | None, advice: str | None) -> Any:
     if mem is None or mesh is None or mesh.platform != "tpu":
         return None
     from dtensor.analysis.memory import memory_fit
 
-    return memory_fit(mem, mesh.device_list)
+    return memory_fit(mem, mesh.device_list, advice=advice)
 
 
 def _check_args(

@@ -19,6 +19,7 @@ from dtensor.core.text import human_bytes
 
 __all__ = [
     "CHIP_HBM_GIB",
+    "DEFAULT_ADVICE",
     "MemoryFit",
     "WillNotFitError",
     "chip_generation",
@@ -66,8 +67,18 @@ def _bytes(value: str, unit: str | None) -> float:
     return float(value) * scale
 
 
-def out_of_memory(error: BaseException) -> WillNotFitError | None:
+#: What helps when nothing is known of the preset in use.
+DEFAULT_ADVICE = (
+    "Shard the variables (FullyShardedStrategy / HybridStrategy), shrink the batch, or use more "
+    "chips."
+)
+
+
+def out_of_memory(error: BaseException, *, advice: str | None = None) -> WillNotFitError | None:
     """The :class:`WillNotFitError` for the TPU compiler's out-of-HBM error, else ``None``.
+
+    ``advice`` is what would help given the preset in use (strategies pass
+    their ``memory_advice()``); default :data:`DEFAULT_ADVICE`.
 
     Examples:
         >>> from dtensor.analysis.memory import out_of_memory
@@ -99,8 +110,7 @@ def out_of_memory(error: BaseException) -> WillNotFitError | None:
         else "the chip's HBM"
     )
     return WillNotFitError(
-        f"will not fit: the TPU compiler {need}, but {have}. Shard the variables "
-        "(FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips. "
+        f"will not fit: the TPU compiler {need}, but {have}. {advice or DEFAULT_ADVICE} "
         f"(XLA: {xla})",
         required,
         available,
@@ -139,7 +149,8 @@ class MemoryFit:
     ``bytes_per_chip`` adds the devices that share a chip (the two
     TensorCores of a v4 chip). A program needs ``arguments + outputs -
     aliased + temporaries + code`` at its peak (outputs that reuse donated
-    arguments are counted once).
+    arguments are counted once). ``advice`` is what would help if it does
+    not fit, given the preset in use (default :data:`DEFAULT_ADVICE`).
 
     Examples:
         >>> from dtensor.analysis.memory import MemoryFit
@@ -158,6 +169,7 @@ class MemoryFit:
     alias_bytes: int
     temp_bytes: int
     code_bytes: int
+    advice: str | None = None
 
     @property
     def bytes_per_device(self) -> int:
@@ -208,18 +220,20 @@ class MemoryFit:
         hbm = f"{h(self.hbm_bytes_per_chip)} of HBM ({self.fraction:.0%} of it)"
         if self.fits:
             return f"fits: {need} of the chip's {hbm}."
-        return (
-            f"will not fit: needs {need} but a {self.chip} chip has {hbm}. Shard the variables "
-            "(FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips."
+        return f"will not fit: needs {need} but a {self.chip} chip has {hbm}. " + (
+            self.advice or DEFAULT_ADVICE
         )
 
 
-def memory_fit(memory_analysis: Any, devices: Sequence[Any]) -> MemoryFit | None:
+def memory_fit(
+    memory_analysis: Any, devices: Sequence[Any], *, advice: str | None = None
+) -> MemoryFit | None:
     """The per-chip memory of a compiled program against the HBM of ``devices``' chip.
 
     Args:
         memory_analysis: ``compiled.memory_analysis()`` (per device figures).
         devices: the program's devices (TPU; e.g. from :func:`tpu_topology`).
+        advice: what would help if it does not fit (see :class:`MemoryFit`).
 
     Returns:
         The :class:`MemoryFit`, or ``None`` for devices that are not a TPU
@@ -241,6 +255,7 @@ def memory_fit(memory_analysis: Any, devices: Sequence[Any]) -> MemoryFit | None
         alias_bytes=get("alias_size_in_bytes"),
         temp_bytes=get("temp_size_in_bytes"),
         code_bytes=get("generated_code_size_in_bytes"),
+        advice=advice,
     )
 
 

@@ -70,6 +70,14 @@ class Report:
     slices (``None`` elsewhere), and ``memory_fit`` holds the per-chip memory
     against the chip's HBM (a :class:`dtensor.analysis.memory.MemoryFit`, ``None`` when the
     chip is not known).
+
+    ``peak_bytes_per_device`` is XLA's peak, ``arguments + temporaries +
+    outputs - aliased`` (``None`` without a memory analysis);
+    ``ideal_peak_bytes_per_device`` the ZeRO formula's for the preset,
+    ``state + gradients + two largest gathered variables + activations (as
+    remat leaves them) + batch``, per device, and ``ideal_peak_terms`` its
+    terms (a :class:`dtensor.analysis.peak.PeakTerms`; the formula and how
+    each term is measured are in :mod:`dtensor.analysis.peak`).
     """
 
     collectives: tuple[Collective, ...]
@@ -89,6 +97,16 @@ class Report:
     ici_bytes_per_device: float | None = None
     dcn_bytes_per_device: float | None = None
     memory_fit: Any = None
+    peak_bytes_per_device: int | None = None
+    ideal_peak_bytes_per_device: int | None = None
+    ideal_peak_terms: Any = None
+
+    @property
+    def peak_ratio(self) -> float | None:
+        """``peak / ideal peak`` (``None`` when either is unknown)."""
+        if not self.peak_bytes_per_device or not self.ideal_peak_bytes_per_device:
+            return None
+        return self.peak_bytes_per_device / self.ideal_peak_bytes_per_device
 
     @property
     def comm_ratio(self) -> float:
@@ -114,6 +132,19 @@ class Report:
             comm_ratio=None if math.isinf(ratio) else ratio,
             data_axes=list(self.data_axes),
             memory_fit=None if self.memory_fit is None else self.memory_fit.to_dict(),
+            ideal_peak_terms=(
+                None
+                if self.ideal_peak_terms is None
+                else dict(
+                    sorted(
+                        (
+                            dataclasses.asdict(self.ideal_peak_terms)
+                            | {"gathered": list(self.ideal_peak_terms.gathered)}
+                        ).items()
+                    )
+                )
+            ),
+            peak_ratio=self.peak_ratio,
             variables=[v.to_dict() for v in self.variables],
             warnings=[w.to_dict() for w in self.warnings],
         )
@@ -147,6 +178,8 @@ def _render(report: Report) -> str:
         ("outputs", report.output_bytes_per_device),
         ("temporaries", report.temp_bytes_per_device),
         ("aliased", report.alias_bytes_per_device),
+        ("peak (args + temps + outputs - aliased)", report.peak_bytes_per_device),
+        ("peak, ideally (ZeRO formula)", report.ideal_peak_bytes_per_device),
     ]
     nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
     nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))

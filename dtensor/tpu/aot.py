@@ -191,6 +191,8 @@ def summary(result: AotResult, *, title: str = "") -> str:
         rows.append((f"HBM of a {fit.chip} chip", fit.hbm_bytes_per_chip))
     rows.append(("variables (state)", r.state_bytes_per_device))
     rows.append(("variables, ideally sharded", r.ideal_state_bytes_per_device))
+    rows.append(("peak (args + temps + outputs - aliased)", r.peak_bytes_per_device))
+    rows.append(("ideal peak (ZeRO formula)", r.ideal_peak_bytes_per_device))
     for k, v in rows:
         mem.add_row(k, _human(v) if v is not None else "")
     console.print(mem)

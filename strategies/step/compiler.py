@@ -491,6 +491,8 @@ class StepCompiler:
                     data_axes=s.batch_axes,
                     expect_sharded=s.shards_variables,
                     activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
+                    ideal_peak=s.ideal_peak_bytes,
+                    advice=s.memory_advice(),
                 )
             except ValueError as err:  # JAX's, from tracing the user's step
                 ours = explicit_axes_error(err, s, "explain()")
