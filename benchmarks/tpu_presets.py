@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def common_human(n: float | None) -> str:
-    from dtensor.analysis.memory import _human
+    from dtensor.core.text import human_bytes as _human
 
     return "-" if n is None else _human(n)
 
