@@ -276,7 +276,7 @@ def test_mixed_precision_gathers_bf16_and_reduce_scatters_f32_on_tpu():
 
     devices = dtensor.tpu_topology("v5e:2x2")  # libtpu comes with the dev extra (tpu-aot)
     strategy = strategies.FullyShardedStrategy(
-        devices=devices, min_shard_bytes=0, mixed_precision=strategies.MixedPrecision()
+        devices=devices, min_shard_bytes=0, mixed_precision=strategies.MixedPrecision(), gather_at_read=True
     )
     both = nnx.eval_shape(
         lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)))(
