@@ -60,8 +60,12 @@ def test_tiny_decoder_trains_under_fully_sharded_as_on_one_device(variant):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[-1] < got[0]
     have = jax.device_get(nnx.state(model, nnx.Param))
+    # Scanned layers are gathered slice by slice inside the scan and their gradients
+    # all-reduced there (a different summation order than one device's): measured 1.5e-5
+    # on the stacked kernels after 3 Adam steps, so 3e-5 for them; 1e-5 elsewhere.
+    tol = 3e-5 if cfg.scan else 1e-5
     for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
-        assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
+        assert np.linalg.norm(np.asarray(a) - b) <= tol * np.linalg.norm(b)
 
 
 def test_public_sizes_by_eval_shape():
