@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP: keep gathered weights for the backward pass")
     p.add_argument("--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)")
+    p.add_argument("--gather-at-reads", action="store_true", help="FSDP: gather_at_read=True (the default on CPU only)")
     p.add_argument("--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory")
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -243,6 +244,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
     for flag, option, value in (
         ("no_reshard_after_forward", "reshard_after_forward", False),
         ("xla_plan", "gather_at_read", False),
+        ("gather_at_reads", "gather_at_read", True),
         ("offload_optimizer", "offload_optimizer", True),
     ):
         if getattr(args, flag):
