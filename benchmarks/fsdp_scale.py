@@ -38,12 +38,19 @@ DEMO = ROOT / "examples" / "train.py"
 #: option name -> extra train.py arguments
 OPTIONS: dict[str, list[str]] = {
     "default": [],
-    "reshard off": ["--no-reshard-after-forward"],
+    "gather at reads": ["--gather-at-reads"],
+    "gather at reads, reshard off": ["--gather-at-reads", "--no-reshard-after-forward"],
     "xla plan": ["--xla-plan"],
+    "f32 highest": [],
     "bf16": ["--mixed-precision", "bf16"],
     "bf16 + remat": ["--mixed-precision", "bf16", "--remat"],
-    "bf16 + remat + xla plan": ["--mixed-precision", "bf16", "--remat", "--xla-plan"],
+    "bf16 + remat + gather at reads": ["--mixed-precision", "bf16", "--remat", "--gather-at-reads"],
 }
+
+#: options compiled with another default matmul precision. "f32 highest" is the float32
+#: reference for the all-gather target: at DEFAULT precision the TPU compiler already
+#: gathers the float32 operands of matmuls in bfloat16 (one-pass bf16 dots).
+PRECISION: dict[str, str] = {"f32 highest": "highest"}
 
 
 def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict[str, Any]:
@@ -55,6 +62,11 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
     argv = ["--strategy", "fully_sharded", "--model-size", size, "--batch-size", str(batch)]
     argv += ["--seq-len", str(seq), *OPTIONS[option]]
     row: dict[str, Any] = {"size": size, "topology": topology, "option": option, "argv": argv}
+    if option in PRECISION:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", PRECISION[option])
+        row["matmul_precision"] = PRECISION[option]
     t0 = time.perf_counter()
     try:
         if topology == "cpu":
@@ -100,19 +112,24 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
 
 #: the cases the targets are judged on come first (the whole run takes a while)
 PRIORITY = [
-    ("2b", "v5e:4x4", "default"),
-    ("2b", "v5e:4x4", "xla plan"),
-    ("2b", "v5e:4x4", "bf16"),
     ("7b", "v5e:4x4", "bf16 + remat"),
-    ("7b", "v5e:4x4", "bf16 + remat + xla plan"),
+    ("2b", "v5e:4x4", "default"),
+    ("2b", "v5e:4x4", "bf16"),
+    ("2b", "v5e:4x4", "f32 highest"),
+    ("2b", "v5e:4x4", "gather at reads"),
     ("2b", "v5e:4x4", "bf16 + remat"),
-    ("7b", "v5e:4x4", "default"),
+    ("2b", "v5e:4x4", "bf16 + remat + gather at reads"),
+    ("2b", "v5e:4x4", "gather at reads, reshard off"),
     ("2b", "v5p:2x2x2", "default"),
     ("7b", "v5p:2x2x2", "bf16 + remat"),
 ]
 
 #: options the preset must take itself (no fallback in the model)
-NEEDS = {"reshard off": "reshard_after_forward", "xla plan": "gather_at_read"}
+NEEDS = {
+    "gather at reads, reshard off": "reshard_after_forward",
+    "gather at reads": "gather_at_read",
+    "xla plan": "gather_at_read",
+}
 
 
 def _skipped(size: str, topology: str, option: str) -> dict[str, Any] | None:
@@ -175,31 +192,36 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
 
     out = []
-    d, x = get("2b", "v5e:4x4", "default"), get("2b", "v5e:4x4", "xla plan")
-    if d.get("peak_bytes_per_chip") and x.get("peak_bytes_per_chip"):
-        out.append(
-            {
-                "target": "v5e:4x4 2b default peak <= XLA's own plan",
-                "value": d["peak_bytes_per_chip"] / x["peak_bytes_per_chip"],
-                "met": d["peak_bytes_per_chip"] <= x["peak_bytes_per_chip"],
-            }
-        )
+    d, g = get("2b", "v5e:4x4", "default"), get("2b", "v5e:4x4", "gather at reads")
+    for name, other in (
+        ("XLA's own plan", get("2b", "v5e:4x4", "xla plan")),
+        ("gather at reads", g),
+    ):
+        if d.get("peak_bytes_per_chip") and other.get("peak_bytes_per_chip"):
+            out.append(
+                {
+                    "target": f"v5e:4x4 2b default peak <= {name}",
+                    "value": d["peak_bytes_per_chip"] / other["peak_bytes_per_chip"],
+                    "met": d["peak_bytes_per_chip"] <= other["peak_bytes_per_chip"],
+                }
+            )
     if d.get("peak_bytes_per_chip") and d.get("ideal_peak_bytes_per_device"):
         ratio = d["peak_bytes_per_chip"] / d["ideal_peak_bytes_per_device"]
         out.append(
             {"target": "v5e:4x4 2b default peak <= 1.3x ideal", "value": ratio, "met": ratio <= 1.3}
         )
     b = get("2b", "v5e:4x4", "bf16")
-    if d.get("all_gather_bytes_per_device") and b.get("all_gather_bytes_per_device") is not None:
-        ratio = b["all_gather_bytes_per_device"] / d["all_gather_bytes_per_device"]
-        out.append(
-            {
-                "target": "v5e:4x4 2b bf16 all-gathers <= 0.55x float32",
-                "value": ratio,
-                "met": ratio <= 0.55,
-            }
-        )
-    for option in ("bf16 + remat", "bf16 + remat + xla plan"):
+    for name, ref in (("float32 (HIGHEST)", get("2b", "v5e:4x4", "f32 highest")), ("default", d)):
+        if ref.get("all_gather_bytes_per_device") and b.get("all_gather_bytes_per_device"):
+            ratio = b["all_gather_bytes_per_device"] / ref["all_gather_bytes_per_device"]
+            out.append(
+                {
+                    "target": f"v5e:4x4 2b bf16 all-gathers <= 0.55x {name}",
+                    "value": ratio,
+                    "met": ratio <= 0.55,
+                }
+            )
+    for option in ("bf16 + remat", "bf16 + remat + gather at reads"):
         s = get("7b", "v5e:4x4", option)
         if not s:
             continue

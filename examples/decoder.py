@@ -5,7 +5,10 @@ MLP and tied input/output embeddings, as in Gemma. Layers are a Python list
 (``scan=False``) or one stacked module run by ``nnx.scan`` (``scan=True``).
 Variables are stored as ``param_dtype`` (float32); ``dtype`` is the compute
 dtype each weight read is cast to (bfloat16 gives the MaxText pattern:
-float32 master weights, bfloat16 matmuls); ``remat=True`` recomputes each
+float32 master weights, bfloat16 matmuls). ``dtype=None`` (the default, as in
+Flax's own layers) computes in the dtype the weights are read in: float32, or
+bfloat16 under a preset's ``mixed_precision=strategies.MixedPrecision()``,
+which casts each read; ``remat=True`` recomputes each
 block in the backward pass (``nnx.remat``), keeping only block inputs.
 
     >>> from examples.decoder import CONFIGS, param_count
@@ -42,7 +45,7 @@ class DecoderConfig:
     ffw: int
     max_len: int = 8192
     rope_base: float = 10_000.0
-    dtype: Any = jnp.float32
+    dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan: bool = False
@@ -91,7 +94,13 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype or x.dtype)
+
+
+def _read(param: nnx.Param, dtype: Any) -> jax.Array:
+    """``param``'s value in ``dtype`` (``None``: as read, e.g. cast by a preset's mixed precision)."""
+    value = param[...]
+    return value if dtype is None else value.astype(dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -117,9 +126,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.query[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.key[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.value[...].astype(dt))
+        q = jnp.einsum("bsd,dhk->bshk", x, _read(self.query, dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, _read(self.key, dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, _read(self.value, dt))
         q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
@@ -127,9 +136,9 @@ class Attention(nnx.Module):
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         causal = positions[:, None] >= positions[None, :]
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
-        return jnp.einsum("bshk,hkd->bsd", ctx, self.out[...].astype(dt))
+        return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
 
 
 class MLP(nnx.Module):
@@ -143,8 +152,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        h = jax.nn.gelu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-        return h @ self.down[...].astype(dt)
+        h = jax.nn.gelu(x @ _read(self.gate, dt)) * (x @ _read(self.up, dt))
+        return h @ _read(self.down, dt)
 
 
 class Block(nnx.Module):
@@ -194,8 +203,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        embed = self.embed[...]
-        x = lookup(embed.astype(cfg.dtype), tokens) * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
+        embed = _read(self.embed, cfg.dtype)
+        x = lookup(embed, tokens) * jnp.asarray(math.sqrt(cfg.d_model), embed.dtype)
         positions = jnp.arange(tokens.shape[-1])
         run = nnx.remat(_run_block, prevent_cse=not cfg.scan) if cfg.remat else _run_block
         if cfg.scan:
@@ -209,7 +218,7 @@ class Decoder(nnx.Module):
             for block in self.blocks:
                 x = run(block, x, positions)
         x = self.final_norm(x)
-        return jnp.einsum("bsd,vd->bsv", x, embed.astype(cfg.dtype)).astype(jnp.float32)
+        return jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
 
 
 def loss_fn(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:

@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP: keep gathered weights for the backward pass")
     p.add_argument("--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)")
     p.add_argument("--gather-at-reads", action="store_true", help="FSDP: gather_at_read=True (the default on CPU only)")
-    p.add_argument("--preset-remat", action="store_true", help="with --remat: the preset's remat=(Block,) instead of the decoder's own")
+    p.add_argument("--model-remat", action="store_true", help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)")
     p.add_argument("--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory")
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -234,10 +234,9 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
         else:
             applied["mixed_precision"] = "not available"
     if args.remat:
-        # The decoder's own nnx.remat per block: measured on v5e:4x4 (7b, bf16, 16 x 1024) at
-        # 9.9 GiB per chip, where the preset's remat=(Block,) left the peak at 18.2 GiB
-        # (an open finding); --preset-remat asks for the preset's.
-        if accepts(cls, "remat") and decoder and args.preset_remat:
+        # The preset's remat=(Block,) and the decoder's own nnx.remat compile to the same
+        # program (same peak on v5e:2x2); --model-remat asks for the decoder's.
+        if accepts(cls, "remat") and decoder and not args.model_remat:
             wanted["remat"] = (block_cls,)
             applied["remat"] = "strategy"
         elif decoder:

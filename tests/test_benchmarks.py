@@ -73,3 +73,25 @@ def test_benchmarks_write_json_and_a_plot(tmp_path):
 
     png = plot.main(["--results", str(tmp_path)])
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_fsdp_scale_rows_on_cpu(tmp_path):
+    """The FSDP-at-scale benchmark, tiny decoder on 8 CPU devices: rows and options applied."""
+    from benchmarks import fsdp_scale
+
+    fsdp_scale.main(
+        ["--sizes=", "--topologies=", "--cpu-sizes=tiny", "--options=default,bf16,f32 highest"]
+        + ["--out", str(tmp_path)]
+    )
+    got = json.loads((tmp_path / "fsdp_scale.json").read_text())
+    rows = {r["option"]: r for r in got["rows"]}
+    assert set(rows) == {"default", "bf16", "f32 highest"}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["bf16"]["applied"] == {"mixed_precision": "strategy"}
+    assert rows["f32 highest"]["matmul_precision"] == "highest"
+    for r in rows.values():
+        # On CPU the default gathers at reads: weight gradients are reduce-scattered.
+        assert r["comm_by_kind"].get("reduce-scatter", 0) > 0
+        assert r["all_gather_bytes_per_device"] > 0
+        assert 1 <= r["comm_ratio"] < 3

@@ -68,6 +68,41 @@ def test_tiny_decoder_trains_under_fully_sharded_as_on_one_device(variant):
         assert np.linalg.norm(np.asarray(a) - b) <= tol * np.linalg.norm(b)
 
 
+def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(monkeypatch):
+    """MixedPrecision + remat=(Block,) on the preset = the decoder built with dtype=bf16 + remat.
+
+    The decoder's ``dtype=None`` computes in the dtype its weights are read in,
+    so the preset's bf16 reads make the whole forward pass bf16 (not bf16
+    weights in float32 arithmetic).
+    """
+    import jax.numpy as jnp
+
+    from examples import decoder
+
+    batches = _batches(CONFIGS["tiny"])
+    want, _ = _reference(CONFIGS["tiny"].replace(dtype=jnp.bfloat16, remat=True), batches)
+    seen = []
+    mlp_call = decoder.MLP.__call__
+
+    def spy(self, x):
+        seen.append((x.dtype, self.gate[...].dtype))
+        return mlp_call(self, x)
+
+    monkeypatch.setattr(decoder.MLP, "__call__", spy)
+    s = strategies.FullyShardedStrategy(
+        min_shard_bytes=0, mixed_precision=strategies.MixedPrecision(), remat=(Block,)
+    )
+    with s.scope():
+        model, opt = _build(CONFIGS["tiny"])
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    # The last trace is the compiled one (an earlier probe of the reads leaves them as stored).
+    bf16 = np.dtype(jnp.bfloat16)
+    assert seen[-CONFIGS["tiny"].layers :] == [(bf16, bf16)] * CONFIGS["tiny"].layers
+    # The preset also rounds the norms' scales to bf16 and reduces gradients in float32.
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+    assert got[-1] < got[0]
+
+
 def test_public_sizes_by_eval_shape():
     for name, billions in (("2b", 2.51), ("7b", 8.54)):
         cfg = CONFIGS[name]
