@@ -67,10 +67,15 @@ def gather_for_compute(
 ) -> jax.Array:
     """``x`` (laid out as ``spec``) whole on every device, its gradient reduce-scattered.
 
-    Call inside :func:`explicit_region` (the ``axes`` must be Explicit). The
-    value is unchanged; only the collectives differ: forward an
-    ``all-gather`` over ``axes`` into JAX's ``reduced`` state, backward a
-    ``reduce-scatter`` of the per-device partial gradient back to ``spec``.
+    Call inside :func:`explicit_region` (every mesh axis Explicit: JAX types
+    ``reduced`` and ``unreduced`` values only then). ``axes`` are the data
+    axes (those the batch is split over). The value is unchanged; only the
+    collectives differ: forward an ``all-gather`` over the axes of ``axes``
+    that split ``x`` into JAX's ``reduced`` state, backward a
+    ``reduce-scatter`` of the per-device partial gradient over those axes
+    back to ``spec``, then an all-reduce of that shard over the data axes
+    ``x`` is replicated over (HybridStrategy's ``data``). Dimensions split
+    over other mesh axes stay as they are.
     With ``compute_dtype`` the local shard is cast before it is gathered (the
     all-gather moves that dtype); with ``reduce_dtype`` the gradient is cast
     to it before the reduce-scatter (then to ``x``'s dtype).
@@ -105,21 +110,34 @@ def gather_for_compute(
         None if reduce_dtype is None else jax.numpy.dtype(reduce_dtype),
         jax.numpy.dtype(x.dtype),
     )
-    return _gather(x, spec, dim, names, dtypes)
+    return _gather(x, spec, dim, names, tuple(axes), dtypes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather(
-    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any
+    x: jax.Array,
+    spec: PartitionSpec,
+    dim: int,
+    names: tuple[str, ...],
+    axes: tuple[str, ...],
+    dtypes: Any,
 ) -> jax.Array:
-    return _gather_fwd(x, spec, dim, names, dtypes)[0]
+    return _gather_fwd(x, spec, dim, names, axes, dtypes)[0]
 
 
 def _gather_fwd(
-    x: jax.Array, spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any
+    x: jax.Array,
+    spec: PartitionSpec,
+    dim: int,
+    names: tuple[str, ...],
+    axes: tuple[str, ...],
+    dtypes: Any,
 ) -> tuple[jax.Array, None]:
+    # ``reduced`` over every data axis (also those ``x`` is only replicated over,
+    # HybridStrategy's ``data``): the batch is split over all of them, so the
+    # cotangent comes back as per-device partial sums over all of them.
     whole = PartitionSpec(
-        *[None if d == dim else s for d, s in enumerate(spec)], reduced=frozenset(names)
+        *[None if d == dim else s for d, s in enumerate(spec)], reduced=frozenset(axes)
     )
     if dtypes[0] is not None:
         x = x.astype(dtypes[0])  # cast the local shard: the all-gather moves compute_dtype
@@ -127,16 +145,28 @@ def _gather_fwd(
 
 
 def _gather_bwd(
-    spec: PartitionSpec, dim: int, names: tuple[str, ...], dtypes: Any, _: None, ct: jax.Array
+    spec: PartitionSpec,
+    dim: int,
+    names: tuple[str, ...],
+    axes: tuple[str, ...],
+    dtypes: Any,
+    _: None,
+    ct: jax.Array,
 ) -> tuple[jax.Array]:
     others = [None if d == dim else s for d, s in enumerate(spec)]
     unreduced = frozenset(jax.typeof(ct).sharding.spec.unreduced)
     axis = names[0] if len(names) == 1 else names
+    # Data axes the variable is replicated over (HybridStrategy's ``data``): the
+    # scattered shard is all-reduced over them (1/|names| of the full size).
+    rest = tuple(a for a in axes if a in unreduced and a not in names)
     reduce_dtype, master = dtypes[1], dtypes[2]
 
     def reduce(c: jax.Array) -> jax.Array:
         c = c if reduce_dtype is None else c.astype(reduce_dtype)
-        return jax.lax.psum_scatter(c, axis, scatter_dimension=dim, tiled=True).astype(master)
+        c = jax.lax.psum_scatter(c, axis, scatter_dimension=dim, tiled=True)
+        if rest:
+            c = jax.lax.psum(c, rest)
+        return c.astype(master)
 
     if unreduced >= set(names):  # per-device partial sums: one reduce-scatter
         scatter = jax.shard_map(
@@ -144,10 +174,9 @@ def _gather_bwd(
             in_specs=PartitionSpec(*others, unreduced=unreduced),
             out_specs=PartitionSpec(
                 *[s if d != dim else axis for d, s in enumerate(spec)],
-                unreduced=unreduced - frozenset(names),
+                unreduced=unreduced - frozenset(names) - frozenset(rest),
             ),
-            axis_names=set(names),
-        )
+        )  # manual over every mesh axis: JAX takes unreduced specs in full manual mode only
         return (scatter(ct),)
     # already reduced (no batch split): a slice
     return (jax.sharding.reshard(ct.astype(master), spec),)

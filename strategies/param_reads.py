@@ -6,7 +6,8 @@ parameters are read and how modules are called:
 
 - a variable split over the data axes is gathered at each read with
   :mod:`strategies.fsdp_ops` (all-gather forward, reduce-scatter of its
-  gradient), where ``ReadOptions.gather`` is set (FullyShardedStrategy);
+  gradient), where ``ReadOptions.gather`` is set (FullyShardedStrategy,
+  HybridStrategy);
 - a floating ``nnx.Param`` is cast to the mixed-precision ``param_dtype``
   (before it is gathered);
 - each module that directly owns a sharded variable is rematerialised
@@ -57,10 +58,14 @@ class ReadOptions:
 
     axes: tuple[str, ...] = ()
     gather: bool = False
+    # Mesh axes Explicit while gathering at reads (default: ``axes``). JAX types
+    # ``reduced``/``unreduced`` values only when every mesh axis is Explicit.
+    explicit_axes: tuple[str, ...] = ()
     reshard_after_forward: bool = False
     remat: tuple[type, ...] = ()
     remat_policy: Callable[..., bool] | None = None
     mixed_precision: MixedPrecision | None = None
+    preset: str = "FullyShardedStrategy"  # named in the fallback warning
 
     @property
     def active(self) -> bool:
@@ -118,13 +123,14 @@ def trace_reads(
                 )
 
             step = _traced(call, layouts, options, gather)
-            return explicit_region(step, options.axes, specs)(state, arrays)
+            explicit = options.explicit_axes or options.axes
+            return explicit_region(step, explicit, specs)(state, arrays)
         except RematClassError:
             raise
         except Exception as err:  # noqa: BLE001 - whatever user code raises on Explicit axes
             fallback = err
     warnings.warn(
-        "FullyShardedStrategy: the step does not trace with parameters gathered at their "
+        f"{options.preset}: the step does not trace with parameters gathered at their "
         f"reads on Explicit mesh axes ({type(fallback).__name__}: {str(fallback)[:300]}); "
         "running XLA's own plan instead (it all-reduces full-size gradients). Pass "
         "gather_at_read=False to choose that plan and silence this warning.",
@@ -257,6 +263,12 @@ def _swap_modules(
             rematted.append(path)
 
 
+def _over(entry: Any, axes: tuple[str, ...]) -> bool:
+    """Whether a spec entry is ``None`` or names only some of ``axes`` (one or a tuple)."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return all(a in axes for a in names)
+
+
 def explicit_specs(
     state: Any, layouts: Any, shardings: list[Any], mesh: Mesh, axes: tuple[str, ...]
 ) -> Any:
@@ -272,7 +284,7 @@ def explicit_specs(
         if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh.jax_mesh:
             return None
         spec = tuple(sharding.spec)
-        if any(entry is not None for entry in spec[1:]) or (spec and spec[0] not in (None, *axes)):
+        if any(entry is not None for entry in spec[1:]) or (spec and not _over(spec[0], axes)):
             return None
         array_specs.append(sharding.spec)
     found = jax.tree.leaves(

@@ -107,8 +107,23 @@ class HybridStrategy(Strategy):
         min_shard_bytes: variables smaller than this are not FSDP-sharded.
         devices: the devices.
         reshard_after_forward, mixed_precision, remat, remat_policy: as for
-            :class:`strategies.FullyShardedStrategy`, for the ``fsdp`` axis
-            (XLA plans the gathers: parameter reads are not intercepted here).
+            :class:`strategies.FullyShardedStrategy`, for the ``fsdp`` axis.
+        gather_at_read: as for :class:`strategies.FullyShardedStrategy`, over
+            ``fsdp``: ``True`` gathers each ``fsdp``-split variable where it is
+            read in a step on Flax NNX modules (an all-gather over ``fsdp``),
+            its gradient reduce-scattered over ``fsdp`` and then all-reduced
+            over ``data`` at shard size; the batch stays split over ``data``
+            and ``fsdp``. ``False`` leaves the plan to XLA's SPMD partitioner
+            (``reshard_after_forward`` then still rematerialises the modules
+            that own ``fsdp``-split variables). ``None`` (the default) chooses
+            by platform: ``True`` on CPU, whose compiler never forms a
+            reduce-scatter by itself (it all-reduces full-size gradients),
+            ``False`` on TPU and GPU, whose compilers form reduce-scatters and
+            plan memory better by themselves. It needs ``tensor=1`` (``None``
+            means ``False`` otherwise; ``True`` raises): the step is traced
+            with every mesh axis Explicit, where a row-parallel Megatron
+            matmul's contraction over ``tensor`` has no defined output layout.
+            It does nothing when ``fsdp=1``.
 
     Examples:
         >>> import strategies
@@ -136,11 +151,23 @@ class HybridStrategy(Strategy):
         mixed_precision: MixedPrecision | None = None,
         remat: Sequence[type] | None = None,
         remat_policy: Any = None,
+        gather_at_read: bool | None = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
         mesh = dtensor.create_mesh(
             [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices
         )
+        if gather_at_read is None:  # by the compiler of the platform the step runs on
+            gather_at_read = devices[0].platform == "cpu" and mesh.shape["tensor"] == 1
+        elif gather_at_read and mesh.shape["tensor"] > 1:
+            raise ValueError(
+                f"HybridStrategy(gather_at_read=True) needs tensor=1 (got tensor="
+                f"{mesh.shape['tensor']}): gathering at reads traces the step with every mesh "
+                "axis Explicit, where a row-parallel (Megatron) matmul's sharded contraction "
+                "has no defined output layout. Pass tensor=1, or gather_at_read=False (or None) "
+                "to leave the fsdp gathers to XLA."
+            )
+        self.gather_at_read = bool(gather_at_read)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.remat = check_remat(remat)
         self.remat_policy = remat_policy
@@ -257,13 +284,28 @@ class HybridStrategy(Strategy):
         return total * 2 * (t - 1) / t
 
     def read_options(self) -> ReadOptions:
-        """Remat (named classes; gather-only for ``fsdp``-split owners) and casts."""
+        """Gather ``fsdp``-split reads (``gather_at_read``), reshard, remat, casts."""
+        fsdp = self.mesh.shape["fsdp"] > 1
+        if fsdp and self.gather_at_read:
+            # Every mesh axis Explicit (``tensor`` is 1): JAX types the gathered
+            # ``reduced`` weights and their ``unreduced`` gradients only then.
+            return ReadOptions(
+                axes=self.batch_axes,
+                gather=True,
+                explicit_axes=self.mesh.dim_names,
+                reshard_after_forward=self.reshard_after_forward,
+                remat=self.remat,
+                remat_policy=self._policy,
+                mixed_precision=self.mixed_precision,
+                preset=type(self).__name__,
+            )
         return ReadOptions(
             axes=("fsdp",),
-            reshard_after_forward=self.reshard_after_forward and self.mesh.shape["fsdp"] > 1,
+            reshard_after_forward=self.reshard_after_forward and fsdp,
             remat=self.remat,
             remat_policy=self._policy,
             mixed_precision=self.mixed_precision,
+            preset=type(self).__name__,
         )
 
     def rule_name(self, path: str, leaf: Any) -> str | None:

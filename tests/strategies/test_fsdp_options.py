@@ -250,8 +250,9 @@ MP_TOL = 1e-2
         lambda mp: strategies.HybridStrategy(
             data=2, fsdp=2, tensor=2, min_shard_bytes=0, mixed_precision=mp
         ),
+        lambda mp: strategies.HybridStrategy(data=2, fsdp=4, min_shard_bytes=0, mixed_precision=mp),
     ],
-    ids=["fully_sharded", "fully_sharded_keep", "mirrored", "hybrid"],
+    ids=["fully_sharded", "fully_sharded_keep", "mirrored", "hybrid", "hybrid_gather"],
 )
 def test_mixed_precision_matches_single_device_with_the_same_casts(make):
     batches = lm_batches(3)
@@ -276,7 +277,10 @@ def test_mixed_precision_gathers_bf16_and_reduce_scatters_f32_on_tpu():
 
     devices = dtensor.tpu_topology("v5e:2x2")  # libtpu comes with the dev extra (tpu-aot)
     strategy = strategies.FullyShardedStrategy(
-        devices=devices, min_shard_bytes=0, mixed_precision=strategies.MixedPrecision(), gather_at_read=True
+        devices=devices,
+        min_shard_bytes=0,
+        mixed_precision=strategies.MixedPrecision(),
+        gather_at_read=True,
     )
     both = nnx.eval_shape(
         lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)))(
