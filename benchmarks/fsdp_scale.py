@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     pairs = [(s, t) for s in args.sizes.split(",") if s for t in args.topologies.split(",") if t]
     pairs += [(s, "cpu") for s in args.cpu_sizes.split(",") if s]
     plan = [(s, t, o) for s, t in pairs for o in options]
-    plan.sort(key=lambda c: PRIORITY.index(c) if c in PRIORITY else len(PRIORITY))
+    # The judged cases first, then the quick CPU rows, then the rest.
+    plan.sort(key=lambda c: PRIORITY.index(c) if c in PRIORITY else len(PRIORITY) + (c[1] != "cpu"))
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {"global_batch": args.batch, "seq_len": args.seq, "rows": rows}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}
