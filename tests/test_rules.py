@@ -137,6 +137,21 @@ def test_distribute_plain_dict_keeps_non_arrays(mesh):
     assert _specs(out["w"]) == ("data", UNSHARDED)
 
 
+def test_distribute_abstract_tree_gives_laid_out_shapes(mesh):
+    """``jax.eval_shape`` output (e.g. a 7B model's params) -> abstract values in their layouts."""
+    params = jax.eval_shape(lambda: {"w": jnp.ones((8, 2)), "b": jnp.zeros((2,), jnp.bfloat16)})
+    out = distribute(params, LayoutMap(mesh, [("w", ("data", None))]))
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in out.values())
+    assert out["w"].sharding.spec == jax.sharding.PartitionSpec("data", None)
+    assert out["b"].dtype == jnp.bfloat16 and out["b"].sharding.is_fully_replicated
+    # Laid out like the concrete tree would be, and compilable ahead of time.
+    concrete = distribute(
+        {"w": np.ones((8, 2), np.float32)}, LayoutMap(mesh, [("w", ("data", None))])
+    )
+    assert out["w"].sharding == concrete["w"].sharding
+    assert jax.jit(lambda t: t["w"] * 2).lower(out).compile() is not None
+
+
 def test_distribute_by_function(mesh):
     seen = {}
 

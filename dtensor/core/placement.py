@@ -33,6 +33,10 @@ def shape_of(x: Any) -> tuple[int, ...]:
 def relayout_plain(x: Any, layout: Layout, *, name: str = "array") -> Any:
     """:func:`dtensor.relayout` between layouts that are not partial (no reduction involved)."""
     layout.check_shape(shape_of(x), name)
+    if isinstance(x, jax.ShapeDtypeStruct):  # abstract (eval_shape): laid out, nothing allocated
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=layout.sharding, weak_type=x.weak_type
+        )
     if is_traced(x):
         if layout.mesh.axis_types == "explicit":
             return jax.sharding.reshard(x, layout.sharding)
