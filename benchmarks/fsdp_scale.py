@@ -106,8 +106,18 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
         all_gather_bytes_per_device=kinds.get("all-gather", 0.0),
         comm_by_kind=kinds,
         all_gather_dtypes=sorted({c.dtype for c in report.collectives if c.kind == "all-gather"}),
+        reduce_bytes_by_dtype=_reduce_bytes_by_dtype(report.collectives),
     )
     return row
+
+
+def _reduce_bytes_by_dtype(collectives: Any) -> dict[str, float]:
+    """Bytes per device of gradient reductions (all-reduce, reduce-scatter) by element type."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        if c.kind in ("all-reduce", "reduce-scatter"):
+            out[c.dtype] = out.get(c.dtype, 0.0) + c.total_bytes_per_device
+    return dict(sorted(out.items()))
 
 
 #: the cases the targets are judged on come first (the whole run takes a while)

@@ -33,7 +33,9 @@ def test_tpu_topology_devices():
     assert len(devices) == 16
     assert {d.platform for d in devices} == {"tpu"}
     assert {d.device_kind for d in devices} == {"TPU v5 lite"}
-    assert sorted(tuple(d.coords[:2]) for d in devices) == [(x, y) for x in range(4) for y in range(4)]
+    assert sorted(tuple(d.coords[:2]) for d in devices) == [
+        (x, y) for x in range(4) for y in range(4)
+    ]
     assert len({d.process_index for d in devices}) == 4  # 4 hosts of 2x2 chips
     assert dtensor.tpu_topology("v5e:4x4") == devices  # the same objects each time
 
@@ -49,15 +51,21 @@ def test_tpu_topology_devices():
 
 
 def test_tpu_topology_errors():
-    with pytest.raises(TopologyError, match=r"'v9:4x4'.* not a topology libtpu can describe .*e\.g\. 'v5e:4x4'"):
+    with pytest.raises(
+        TopologyError, match=r"'v9:4x4'.* not a topology libtpu can describe .*e\.g\. 'v5e:4x4'"
+    ):
         dtensor.tpu_topology("v9:4x4")
     with pytest.raises(TopologyError, match=r"'v5e:3x3'.*not divisible.*'v4:2x2x2'"):
         dtensor.tpu_topology("v5e:3x3")
     with pytest.raises(TopologyError, match=r"'4x4'.*does not match regex"):
         dtensor.tpu_topology("4x4")
-    with pytest.raises(TopologyError, match=r"num_slices=0\): num_slices must be a positive integer"):
+    with pytest.raises(
+        TopologyError, match=r"num_slices=0\): num_slices must be a positive integer"
+    ):
         dtensor.tpu_topology("v5e:4x4", num_slices=0)
-    with pytest.raises(TopologyError, match=r"name=None\): the name must be a string such as 'v5e:4x4'"):
+    with pytest.raises(
+        TopologyError, match=r"name=None\): the name must be a string such as 'v5e:4x4'"
+    ):
         dtensor.tpu_topology(None)  # type: ignore[arg-type]
 
 
@@ -73,7 +81,9 @@ def test_meshes_over_a_topology():
 
 def test_multislice_mesh_keeps_each_slice_contiguous_on_the_ici_axes():
     devices = dtensor.tpu_topology("v5e:4x4", num_slices=2)
-    mesh = dtensor.create_distributed_mesh([("data", 1), ("fsdp", 4), ("tensor", 4)], [("data", 2)], devices=devices)
+    mesh = dtensor.create_distributed_mesh(
+        [("data", 1), ("fsdp", 4), ("tensor", 4)], [("data", 2)], devices=devices
+    )
     assert mesh.shape == {"data": 2, "fsdp": 4, "tensor": 4}
     grid = mesh.devices
     every_chip = sorted((x, y) for x in range(4) for y in range(4))
@@ -89,7 +99,9 @@ def test_multislice_mesh_keeps_each_slice_contiguous_on_the_ici_axes():
                         p, q = block[a, b].coords, block[a + da, b + db].coords
                         assert sum(abs(i - j) for i, j in zip(p, q, strict=True)) == 1
     # DCN on an inner axis: each slice is one contiguous half of that axis.
-    mesh = dtensor.create_distributed_mesh([("data", 2), ("model", 8)], [("model", 2)], devices=devices)
+    mesh = dtensor.create_distributed_mesh(
+        [("data", 2), ("model", 8)], [("model", 2)], devices=devices
+    )
     assert mesh.shape == {"data": 2, "model": 16}
     slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     assert (slice_of[:, :8] == 0).all() and (slice_of[:, 8:] == 1).all()
@@ -103,8 +115,15 @@ def test_memory_fit_verdict():
     big = MemoryFit("v4", 32 * GIB, 2, 10 * GIB, 0, 0, 7 * GIB, 0)
     assert not big.fits and big.bytes_per_chip == 34 * GIB
     assert str(big).startswith("will not fit: needs 34.0 GiB per v4 chip")
-    assert "x2 TensorCores per chip" in str(big) and "a v4 chip has 32.0 GiB of HBM (106% of it)" in str(big)
-    assert big.to_dict()["fits"] is False and CHIP_HBM_GIB == {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+    assert "x2 TensorCores per chip" in str(
+        big
+    ) and "a v4 chip has 32.0 GiB of HBM (106% of it)" in str(big)
+    assert big.to_dict()["fits"] is False and CHIP_HBM_GIB == {
+        "v4": 32,
+        "v5e": 16,
+        "v5p": 95,
+        "v6e": 32,
+    }
 
 
 def test_padded_bytes_follows_tpu_tiles():
@@ -163,7 +182,9 @@ def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
         fit = report.memory_fit
         assert fit is not None and fit.fits and fit.chip == topology.split(":")[0], name
         # The two TensorCores of a v4 chip share its HBM (one_device uses one of them).
-        assert fit.devices_per_chip == (2 if topology.startswith("v4") and name != "one_device" else 1)
+        assert fit.devices_per_chip == (
+            2 if topology.startswith("v4") and name != "one_device" else 1
+        )
         assert report.ici_bytes_per_device is not None and report.dcn_bytes_per_device is not None
         assert report.ici_bytes_per_device + report.dcn_bytes_per_device == pytest.approx(
             report.comm_bytes_per_device
@@ -221,7 +242,9 @@ def test_too_large_for_hbm_under_mirrored_fits_fully_sharded():
 
     class Deep(nnx.Module):
         def __init__(self, rngs):
-            self.layers = nnx.List([nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)])
+            self.layers = nnx.List(
+                [nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)]
+            )
 
         def __call__(self, x):
             for layer in self.layers:
@@ -238,7 +261,10 @@ def test_too_large_for_hbm_under_mirrored_fits_fully_sharded():
     devices = dtensor.tpu_topology("v5e:4x4")
 
     # The TPU compiler itself refuses the replicated program: it exceeds the chip's HBM.
-    with pytest.raises(WillNotFitError, match=r"will not fit: the TPU compiler needs 1\d\.\d GiB .* but 15\.\d GiB of HBM") as err:
+    with pytest.raises(
+        WillNotFitError,
+        match=r"will not fit: the TPU compiler needs 1\d\.\d GiB .* but 15\.\d GiB of HBM",
+    ) as err:
         strategies.MirroredStrategy(devices).explain(step, args=(model, optimizer, batch))
     assert err.value.required > err.value.available > 15 * GIB
 
@@ -246,4 +272,47 @@ def test_too_large_for_hbm_under_mirrored_fits_fully_sharded():
     fit = sharded.memory_fit
     assert fit.fits and fit.argument_bytes < 1.1 * GIB  # 15 GiB of state over 16 chips
     assert str(fit).startswith("fits: ")
-    assert sharded.state_bytes_per_device == pytest.approx(3 * layers * width * width * 4 / 16, rel=1e-3)
+    assert sharded.state_bytes_per_device == pytest.approx(
+        3 * layers * width * width * 4 / 16, rel=1e-3
+    )
+
+
+@pytest.mark.parametrize("gather_at_read", [True, False])
+def test_tpu_fused_reduce_scatter_is_counted_as_one(gather_at_read):
+    """libtpu emits FSDP's gradient reduce-scatter as an all-reduce + slice fusion; it moves
+    (n-1)/n of the gradient, not an all-reduce's 2(n-1)/n."""
+    layers, dim, batch = 2, 1024, 64
+    devices = dtensor.tpu_topology("v5e:2x2")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [nnx.Linear(dim, dim, use_bias=False, rngs=rngs) for _ in range(layers)]
+            )
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    def step(model, opt, b):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(b["x"]) - b["y"]) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    s = strategies.FullyShardedStrategy(devices, min_shard_bytes=0, gather_at_read=gather_at_read)
+    model, opt = nnx.eval_shape(
+        lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param)))(MLP(nnx.Rngs(0)))
+    )
+    xy = {k: jax.ShapeDtypeStruct((batch, dim), jnp.float32) for k in "xy"}
+    report = s.explain(step, args=(model, opt, xy))
+    kernel = dim * dim * 4
+    scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
+    # One per kernel gradient, each sending (n-1)/n of it (the padding libtpu adds aside).
+    assert len(scatters) == layers
+    for c in scatters:
+        assert 0.75 * kernel <= c.total_bytes_per_device <= 0.75 * kernel * 1.15
+    big_reduces = [
+        c for c in report.collectives if c.kind == "all-reduce" and c.total_bytes_per_device > 1024
+    ]
+    assert big_reduces == []

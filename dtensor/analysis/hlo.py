@@ -118,11 +118,8 @@ def parse_collectives(
                 out.extend(_dcn_transfer(ins, mults[comp], mesh_shape, net))
                 continue
             if ins.opcode in KINDS:
-                out.extend(
-                    _collective(
-                        ins.opcode, ins, ins.shape, mults[comp], mesh_shape, num_devices, net
-                    )
-                )
+                kind, shape = _fused_reduce_scatter(comp, instrs, ins) or (ins.opcode, ins.shape)
+                out.extend(_collective(kind, ins, shape, mults[comp], mesh_shape, num_devices, net))
     for kind, start, comp in starts.values():  # a start without its done: use its own shape
         shapes = parse_shapes(start.shape)
         half = {"all-gather": shapes[len(shapes) // 2 :], "collective-permute": shapes[:1]}.get(
@@ -131,6 +128,24 @@ def parse_collectives(
         fake = "(" + ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in half) + ")"
         out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices, net))
     return out
+
+
+def _fused_reduce_scatter(comp: str, instrs: list[Instr], ins: Instr) -> tuple[str, str] | None:
+    """``("reduce-scatter", result shape)`` for the TPU compiler's fused reduce-scatter.
+
+    libtpu emits a reduce-scatter as a fusion computation named
+    ``all-reduce-scatter*`` holding an all-reduce of the (padded) input whose
+    result is dynamic-sliced to this device's block; it runs as one
+    reduce-scatter, so it is counted as one (``None`` for anything else).
+    """
+    if ins.opcode != "all-reduce" or not comp.startswith("all-reduce-scatter"):
+        return None
+    for other in instrs:
+        if other.opcode == "dynamic-slice" and re.match(
+            rf"\(\s*%?{re.escape(ins.name)}\b", other.rest
+        ):
+            return "reduce-scatter", other.shape
+    return None
 
 
 def _collective(
