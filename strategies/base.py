@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -309,6 +309,7 @@ class Strategy:
         *,
         per_replica: bool = False,
         cache_graph: bool = False,
+        donate_argnums: int | Sequence[int] = (),
     ) -> Any:
         """Run single-device code on the global batch, compiled for this strategy.
 
@@ -329,13 +330,55 @@ class Strategy:
         does), so a step costs no Python traversal; their structure must then
         not change between calls (replacing a submodule, say).
 
+        Args:
+            fn: the step, called as ``fn(*args, **kwargs)``.
+            args: its positional arguments: NNX modules and optimizers, pytrees
+                of arrays (parameters, optimizer state, the batch), and other
+                values (static: part of the compile key).
+            kwargs: its keyword arguments, sorted the same way.
+            per_replica: run once per replica on its slice of the batch.
+            cache_graph: remember the NNX graph of the model arguments.
+            donate_argnums: positions in ``args`` whose arrays are donated, as
+                ``jax.jit(fn, donate_argnums=...)`` donates them: the step
+                may write its outputs into their buffers (a functional step's
+                new parameters and optimizer state into the old ones, so the
+                program does not hold both), and afterwards the caller's
+                donated ``jax.Array`` s are deleted. Donation applies to arrays
+                already on this strategy's mesh (the outputs of a previous
+                ``run``, or :meth:`distribute_variables`); host (numpy) arrays
+                and arrays elsewhere are copied onto the mesh first and the
+                copy is donated, the caller's stay valid. NNX modules and
+                optimizers are donated always (naming them changes nothing).
+
         Examples:
             >>> import strategies, numpy as np, jax.numpy as jnp
             >>> s = strategies.MirroredStrategy()
             >>> float(s.run(lambda x: jnp.mean(x ** 2), args=(np.ones((16, 4)),)))
             1.0
+
+            A functional step that donates its parameters and optimizer state:
+
+            >>> import jax, optax
+            >>> tx = optax.sgd(0.1)
+            >>> def step(w, opt_state, x):
+            ...     loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+            ...     updates, opt_state = tx.update(g, opt_state, w)
+            ...     return optax.apply_updates(w, updates), opt_state, loss
+            >>> w = s.distribute_variables(jnp.ones((4, 2)))
+            >>> opt_state = s.distribute_variables(tx.init(w))
+            >>> x = np.ones((16, 4), "f4")
+            >>> w2, opt_state, loss = s.run(step, args=(w, opt_state, x), donate_argnums=(0, 1))
+            >>> w.is_deleted(), float(loss)
+            (True, 16.0)
         """
-        return self._steps.run(fn, args, kwargs, per_replica=per_replica, cache_graph=cache_graph)
+        return self._steps.run(
+            fn,
+            args,
+            kwargs,
+            per_replica=per_replica,
+            cache_graph=cache_graph,
+            donate_argnums=donate_argnums,
+        )
 
     # --------------------------------------------------------------- explain
     def explain(
@@ -343,13 +386,19 @@ class Strategy:
         fn: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
+        *,
+        donate_argnums: int | Sequence[int] = (),
     ) -> Any:
         """The :func:`dtensor.explain` report of what :meth:`run` compiles for these arguments.
 
         Arguments may be abstract (``jax.ShapeDtypeStruct`` trees, or models
-        from ``nnx.eval_shape``); nothing runs.
+        from ``nnx.eval_shape``); nothing runs. ``donate_argnums`` is
+        :meth:`run`'s: pass the same to see the program ``run`` compiles,
+        with the donated arguments' buffers reused for the outputs
+        (``Report.alias_bytes_per_device``, a lower
+        ``peak_bytes_per_device``). Nothing is donated or deleted here.
         """
-        return self._steps.explain(fn, args, kwargs)
+        return self._steps.explain(fn, args, kwargs, donate_argnums=donate_argnums)
 
     # ---------------------------------------------------------- reduce/gather
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

@@ -34,6 +34,7 @@ from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replac
 from strategies import context, offload
 from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
+from strategies.step import donation
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
 from strategies.values import PerReplica, ReplicaContext
 
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from strategies.base import Strategy
 
 __all__ = ["StepCompiler"]
-
-Compiled = Callable[[Any, list[Any]], Any]
 
 
 def _var_or_layout(x: Any) -> bool:
@@ -70,10 +69,15 @@ class StepCompiler:
         *,
         per_replica: bool,
         cache_graph: bool,
+        donate_argnums: Any = (),
     ) -> Any:
         s = self.strategy
         fn = argkinds.check_callable(fn, "run")
         with_paths, treedef = argkinds.flatten_args(args, kwargs)
+        donate = donation.check_argnums(donate_argnums, args, "run")
+        mask = donation.donated_mask(with_paths, donate)
+        if not per_replica and s.gradient_reduction is not None:
+            donation.check_reduction(mask, s, "run", donate_argnums)
         flat = [v for _, v in with_paths]
         nodes = [v for v in flat if is_node(v)]
         cached = self.graphs.get(nodes) if nodes and cache_graph else None
@@ -92,13 +96,13 @@ class StepCompiler:
         if memories is not None:
             state = self._in_memory(state, layouts, memories, device=False)
         fn_key = FunctionKey(fn)
-        key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig)
+        key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig, mask)
         compiled = self.compiled.get(key)
         if compiled is None:
             fn_key = FunctionKey(fn, self._forget)  # the stored key watches the function
             key = (fn_key, *key[1:])
             compiled = self._compile(
-                fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica, memories
+                fn_key, treedef, graphdef, kinds, layouts, arrays, per_replica, memories, mask
             )
             self.compiled.put(key, compiled)
             self.monitor.compiled(fn)
@@ -349,7 +353,8 @@ class StepCompiler:
         arrays: list[Any],
         per_replica: bool,
         memories: Any = None,
-    ) -> Compiled:
+        mask: tuple[bool, ...] = (),
+    ) -> donation.Step:
         s = self.strategy
         reduction = None if per_replica else s.gradient_reduction
 
@@ -379,10 +384,12 @@ class StepCompiler:
             )
             return new_state, out
 
-        if reduction is not None:
-            return reduction.compile_step(s, call, arrays, has_state=graphdef is not None)
+        has_state = graphdef is not None
+        if reduction is not None:  # donates the state only (run checked the mask)
+            return donation.Step(reduction.compile_step(s, call, arrays, has_state=has_state))
         if per_replica:
-            return self._per_replica(call, layouts, arrays, graphdef is not None)
+            pure_replicas = self._per_replica(call, layouts, arrays, has_state)
+            return donation.jit_step(pure_replicas, has_state=has_state, mask=mask)
         shardings = [getattr(a, "sharding", None) for a in arrays]
         compiler = self
 
@@ -397,9 +404,12 @@ class StepCompiler:
                     new_state = compiler._in_memory(new_state, layouts, memories, device=False)
             return new_state, out
 
-        return jax.jit(pure, donate_argnums=(0,) if graphdef is not None else ())
+        return donation.jit_step(pure, has_state=has_state, mask=mask)
 
-    def _per_replica(self, call: Any, layouts: Any, leaves: list[Any], has_state: bool) -> Any:
+    def _per_replica(
+        self, call: Any, layouts: Any, leaves: list[Any], has_state: bool
+    ) -> Callable[[Any, list[Any]], Any]:
+        """The per-replica step (``jax.shard_map`` over the replica axes), to be jitted."""
         s = self.strategy
         axes: tuple[str, ...] = tuple(s.batch_axes)
         if layouts is not None:
@@ -437,16 +447,22 @@ class StepCompiler:
                 new_state = compiler._constrain(new_state, layouts)
             return new_state, out
 
-        return jax.jit(pure, donate_argnums=(0,) if has_state else ())
+        return pure
 
     # --------------------------------------------------------------- explain
-    def explain(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def explain(
+        self, fn: Callable[..., Any], args: Any, kwargs: Any, *, donate_argnums: Any = ()
+    ) -> Any:
         """The :func:`dtensor.explain` report of what :meth:`run` compiles for these arguments."""
         from dtensor.analysis.explain import explain
 
         s = self.strategy
         fn = argkinds.check_callable(fn, "explain")
         with_paths, treedef = argkinds.flatten_args(args, kwargs)
+        donate = donation.check_argnums(donate_argnums, args, "explain")
+        mask = donation.donated_mask(with_paths, donate)
+        if s.gradient_reduction is not None:
+            donation.check_reduction(mask, s, "explain", donate_argnums)
         flat = [v for _, v in with_paths]
         nodes = [v for v in flat if is_node(v)]
         graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
@@ -478,14 +494,14 @@ class StepCompiler:
         if memories is not None:  # offloaded variables enter in host memory
             state = self._in_memory(state, layouts, memories, device=False)
         compiled = self._compile(
-            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories
+            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
         )
         with s.mesh:
             try:
                 report = explain(
-                    compiled,
+                    compiled.jitted,
                     state,
-                    arrays,
+                    *compiled.args(arrays),
                     variables=state,
                     rules=rules,
                     data_axes=s.batch_axes,
