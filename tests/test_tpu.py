@@ -316,3 +316,51 @@ def test_tpu_fused_reduce_scatter_is_counted_as_one(gather_at_read):
         c for c in report.collectives if c.kind == "all-reduce" and c.total_bytes_per_device > 1024
     ]
     assert big_reduces == []
+
+
+def test_tpu_linen_functional_fsdp_step_reduce_scatters_its_gradients():
+    """A Linen/optax (params, opt_state) step under FullyShardedStrategy on TPU: XLA's plan
+    (the default there) reduce-scatters each kernel's gradient, as for an NNX step; with
+    donate_argnums the old state is not kept beside the new one."""
+    import flax.linen as nn
+
+    layers, dim, batch = 2, 1024, 64
+    devices = dtensor.tpu_topology("v5e:2x2")
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(layers):
+                x = jax.nn.relu(nn.Dense(dim, use_bias=False, name=f"l{i}")(x))
+            return x
+
+    model, tx = MLP(), optax.adam(1e-3)
+
+    def step(params, opt_state, b):
+        def loss(p):
+            return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    s = strategies.FullyShardedStrategy(devices, min_shard_bytes=0)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, dim)))["params"])
+    opt_state = s.distribute_variables(jax.eval_shape(tx.init, params))
+    params = s.distribute_variables(params)
+    xy = {k: jax.ShapeDtypeStruct((batch, dim), jnp.float32) for k in "xy"}
+    kept = s.explain(step, args=(params, opt_state, xy))
+    donated = s.explain(step, args=(params, opt_state, xy), donate_argnums=(0, 1))
+    kernel = dim * dim * 4
+    for report in (kept, donated):
+        scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
+        assert len(scatters) == layers
+        assert all(c.dtype == "f32" and c.total_bytes_per_device >= 0.75 * kernel for c in scatters)
+        assert not [
+            c
+            for c in report.collectives
+            if c.kind == "all-reduce" and c.total_bytes_per_device > 1024
+        ]
+    state = 3 * layers * kernel // 4  # params + Adam's two moments, split over 4 chips
+    assert donated.alias_bytes_per_device >= state
+    assert donated.peak_bytes_per_device <= kept.peak_bytes_per_device - state
