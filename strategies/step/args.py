@@ -6,10 +6,21 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from dtensor.core.tree import is_array, is_node
+from dtensor import Layout
+from dtensor.core.tree import is_array, is_node, is_variable
 
-__all__ = ["ARRAY", "NODE", "Static", "arg_name", "check_callable", "flatten_args"]
+__all__ = [
+    "ARRAY",
+    "NODE",
+    "Static",
+    "abstract_value",
+    "arg_name",
+    "check_callable",
+    "flatten_args",
+    "var_or_layout",
+]
 
 NODE = "node"
 ARRAY = "array"
@@ -92,3 +103,18 @@ def _short(v: Any) -> str:
         return f"<{type(v).__name__} {v.dtype}{list(v.shape)}>"
     text = " ".join(repr(v).split())
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def var_or_layout(x: Any) -> bool:
+    """A Variable or a Layout: the leaves of a tree of variables and of its layouts."""
+    return is_variable(x) or isinstance(x, Layout)
+
+
+def abstract_value(
+    value: Any, layout: Layout | None, *, memory_kind: str | None = None
+) -> jax.ShapeDtypeStruct:
+    """``value`` as an abstract array in ``layout`` (and ``memory_kind``); nothing allocated."""
+    sharding = None if layout is None else layout.sharding
+    if sharding is not None and memory_kind is not None:
+        sharding = sharding.with_memory_kind(memory_kind)
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)

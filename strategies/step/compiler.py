@@ -16,7 +16,6 @@ What it asks of the strategy are its public policies and preset hooks:
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from strategies import context, offload
 from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
 from strategies.step import donation
+from strategies.step.args import abstract_value, var_or_layout
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
 from strategies.values import PerReplica, ReplicaContext
 
@@ -42,10 +42,6 @@ if TYPE_CHECKING:
     from strategies.base import Strategy
 
 __all__ = ["StepCompiler"]
-
-
-def _var_or_layout(x: Any) -> bool:
-    return is_variable(x) or isinstance(x, Layout)
 
 
 class StepCompiler:
@@ -215,7 +211,7 @@ class StepCompiler:
                     return var
             return replace_value(var, dtensor.relayout(value, layout))
 
-        return jax.tree.map(place, state, layouts, is_leaf=_var_or_layout)
+        return jax.tree.map(place, state, layouts, is_leaf=var_or_layout)
 
     def _relayout(self, state: Any, layouts: Any, *, compute: bool, kinds: Any = None) -> Any:
         """Stored variables to their compute layout (``compute=True``) or back (a no-op unless they differ).
@@ -243,8 +239,8 @@ class StepCompiler:
             return replace_value(var, dtensor.relayout(value, target if compute else lay))
 
         if kinds is None:
-            return jax.tree.map(move, state, layouts, is_leaf=_var_or_layout)
-        return jax.tree.map(move, state, layouts, kinds, is_leaf=_var_or_layout)
+            return jax.tree.map(move, state, layouts, is_leaf=var_or_layout)
+        return jax.tree.map(move, state, layouts, kinds, is_leaf=var_or_layout)
 
     def _in_memory(self, state: Any, layouts: Any, memories: Any, *, device: bool) -> Any:
         """Offloaded variables kept on the compute mesh, in device memory or in their own.
@@ -259,7 +255,7 @@ class StepCompiler:
                 return var
             value = leaf_value(var)
             if isinstance(value, jax.ShapeDtypeStruct):
-                return replace_value(var, _abstract(value, lay, memory_kind=kind))
+                return replace_value(var, abstract_value(value, lay, memory_kind=kind))
             if not isinstance(value, jax.Array):
                 return var
             if isinstance(value, Tracer):
@@ -269,7 +265,7 @@ class StepCompiler:
                 return var
             return replace_value(var, offload.to_host(value, lay.sharding))
 
-        return jax.tree.map(move, state, layouts, memories, is_leaf=_var_or_layout)
+        return jax.tree.map(move, state, layouts, memories, is_leaf=var_or_layout)
 
     def _constrain(self, state: Any, layouts: Any) -> Any:
         s = self.strategy
@@ -279,7 +275,7 @@ class StepCompiler:
                 return var
             return replace_value(var, dtensor.relayout(leaf_value(var), s.compute_layout(layout)))
 
-        return jax.tree.map(constrain, state, layouts, is_leaf=_var_or_layout)
+        return jax.tree.map(constrain, state, layouts, is_leaf=var_or_layout)
 
     def _place_input(self, v: Any, name: str) -> Any:
         s = self.strategy
@@ -454,91 +450,9 @@ class StepCompiler:
         self, fn: Callable[..., Any], args: Any, kwargs: Any, *, donate_argnums: Any = ()
     ) -> Any:
         """The :func:`dtensor.explain` report of what :meth:`run` compiles for these arguments."""
-        from dtensor.analysis.explain import explain
+        from strategies.step.explaining import explain_step
 
-        s = self.strategy
-        fn = argkinds.check_callable(fn, "explain")
-        with_paths, treedef = argkinds.flatten_args(args, kwargs)
-        donate = donation.check_argnums(donate_argnums, args, "explain")
-        mask = donation.donated_mask(with_paths, donate)
-        if s.gradient_reduction is not None:
-            donation.check_reduction(mask, s, "explain", donate_argnums)
-        flat = [v for _, v in with_paths]
-        nodes = [v for v in flat if is_node(v)]
-        graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
-        layouts = rules = None
-        if nodes:
-            layouts, rules = self.resolve(state)
-            state = jax.tree.map(
-                lambda var, lay: (
-                    var
-                    if lay is None
-                    else replace_value(var, _abstract(leaf_value(var), s.compute_layout(lay)))
-                ),
-                state,
-                layouts,
-                is_leaf=_var_or_layout,
-            )
-        kinds: list[Any] = []
-        arrays: list[Any] = []
-        for v in flat:
-            kind = argkinds.kind_of(v)
-            if kind is argkinds.ARRAY:
-                sharding = getattr(v, "sharding", None)
-                on_mesh = isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-                    v, jax.ShapeDtypeStruct | jax.Array
-                )
-                arrays.append(v if on_mesh else _abstract(v, s.batch_layout(len(np.shape(v)))))
-            kinds.append(kind)
-        memories = self.memory_kinds(graphdef, state) if nodes else None
-        if memories is not None:  # offloaded variables enter in host memory
-            state = self._in_memory(state, layouts, memories, device=False)
-        compiled = self._compile(
-            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
-        )
-        with s.mesh:
-            try:
-                report = explain(
-                    compiled.jitted,
-                    state,
-                    *compiled.args(arrays),
-                    variables=state,
-                    rules=rules,
-                    data_axes=s.batch_axes,
-                    expect_sharded=s.shards_variables,
-                    activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
-                    ideal_peak=s.ideal_peak_bytes,
-                    advice=s.memory_advice(),
-                )
-            except ValueError as err:  # JAX's, from tracing the user's step
-                ours = explicit_axes_error(err, s, "explain()")
-                if ours is None:
-                    raise
-                raise ours from None
-        extra = self._layout_findings(state)
-        return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
-
-    def _layout_findings(self, state: Any) -> tuple[Any, ...]:
-        """The strategy's own findings about its variables' layouts, with the report's paths."""
-        from dtensor.analysis.report import Finding
-
-        if state is None:
-            return ()
-        out = []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable):
-            p = path_str(path)
-            rel = p.split("/", 1)[1] if "/" in p else p  # the path rules see (node index dropped)
-            out += [Finding(kind, p, msg) for kind, msg in self.strategy.layout_findings(rel, leaf)]
-        return tuple(out)
-
-
-def _abstract(
-    value: Any, layout: Layout | None, *, memory_kind: str | None = None
-) -> jax.ShapeDtypeStruct:
-    sharding = None if layout is None else layout.sharding
-    if sharding is not None and memory_kind is not None:
-        sharding = sharding.with_memory_kind(memory_kind)
-    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
+        return explain_step(self, fn, args, kwargs, donate_argnums=donate_argnums)
 
 
 def check_same_structure(before: Any, after: Any) -> None:

@@ -1,0 +1,111 @@
+"""``Strategy.explain``: the :func:`dtensor.explain` report of the program ``run`` compiles.
+
+The step is compiled exactly as :class:`strategies.step.compiler.StepCompiler`
+compiles it for ``run`` (same layouts, memory kinds and donation), from
+abstract values where the arguments are abstract, and never run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dtensor.analysis.explain import explain
+from dtensor.analysis.report import Finding
+from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
+from strategies.boundary import explicit_axes_error
+from strategies.step import args as argkinds
+from strategies.step import donation
+from strategies.step.args import abstract_value, var_or_layout
+from strategies.step.cache import FunctionKey
+
+__all__ = ["explain_step"]
+
+
+def explain_step(
+    compiler: Any,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    *,
+    donate_argnums: Any = (),
+) -> Any:
+    """The :func:`dtensor.explain` report of what ``compiler.run`` compiles for these arguments."""
+    s = compiler.strategy
+    fn = argkinds.check_callable(fn, "explain")
+    with_paths, treedef = argkinds.flatten_args(args, kwargs)
+    donate = donation.check_argnums(donate_argnums, args, "explain")
+    mask = donation.donated_mask(with_paths, donate)
+    if s.gradient_reduction is not None:
+        donation.check_reduction(mask, s, "explain", donate_argnums)
+    flat = [v for _, v in with_paths]
+    nodes = [v for v in flat if is_node(v)]
+    graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
+    layouts = rules = None
+    if nodes:
+        layouts, rules = compiler.resolve(state)
+        state = jax.tree.map(
+            lambda var, lay: (
+                var
+                if lay is None
+                else replace_value(var, abstract_value(leaf_value(var), s.compute_layout(lay)))
+            ),
+            state,
+            layouts,
+            is_leaf=var_or_layout,
+        )
+    kinds: list[Any] = []
+    arrays: list[Any] = []
+    for v in flat:
+        kind = argkinds.kind_of(v)
+        if kind is argkinds.ARRAY:
+            sharding = getattr(v, "sharding", None)
+            on_mesh = isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+                v, jax.ShapeDtypeStruct | jax.Array
+            )
+            arrays.append(v if on_mesh else abstract_value(v, s.batch_layout(len(np.shape(v)))))
+        kinds.append(kind)
+    memories = compiler.memory_kinds(graphdef, state) if nodes else None
+    if memories is not None:  # offloaded variables enter in host memory
+        state = compiler._in_memory(state, layouts, memories, device=False)
+    compiled = compiler._compile(
+        FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
+    )
+    with s.mesh:
+        try:
+            report = explain(
+                compiled.jitted,
+                state,
+                *compiled.args(arrays),
+                variables=state,
+                rules=rules,
+                data_axes=s.batch_axes,
+                expect_sharded=s.shards_variables,
+                activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
+                ideal_peak=s.ideal_peak_bytes,
+                advice=s.memory_advice(),
+            )
+        except ValueError as err:  # JAX's, from tracing the user's step
+            ours = explicit_axes_error(err, s, "explain()")
+            if ours is None:
+                raise
+            raise ours from None
+    extra = _layout_findings(compiler, state)
+    return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
+
+
+def _layout_findings(compiler: Any, state: Any) -> tuple[Any, ...]:
+    """The strategy's own findings about its variables' layouts, with the report's paths."""
+    if state is None:
+        return ()
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable):
+        p = path_str(path)
+        rel = p.split("/", 1)[1] if "/" in p else p  # the path rules see (node index dropped)
+        out += [Finding(kind, p, msg) for kind, msg in compiler.strategy.layout_findings(rel, leaf)]
+    return tuple(out)
