@@ -397,6 +397,14 @@ class Strategy:
         with the donated arguments' buffers reused for the outputs
         (``Report.alias_bytes_per_device``, a lower
         ``peak_bytes_per_device``). Nothing is donated or deleted here.
+
+        In a functional step (``step(params, opt_state, batch)``, no NNX
+        modules) the donated arguments are the report's variables, named by
+        the step's parameters (``params/...``, ``opt_state/...``; those under
+        ``opt_state`` receive no gradient), which gives the minimum
+        communication and the ideal peak; without donation the report has no
+        variables. Abstract Linen/optax state in its layouts comes from
+        ``distribute_variables(jax.eval_shape(...))``.
         """
         return self._steps.explain(fn, args, kwargs, donate_argnums=donate_argnums)
 

@@ -128,6 +128,20 @@ def min_comm_bytes(global_bytes: int, layout: Layout | None, data_axes: Sequence
     return out
 
 
+def _same_leaves(arg: Any, variables: Any) -> bool:
+    """``arg`` is ``variables``, or holds the same leaf objects in the same order."""
+    if arg is variables:
+        return True
+    if variables is None or arg is None:
+        return False
+    mine, theirs = jax.tree.leaves(arg), jax.tree.leaves(variables)
+    return (
+        bool(mine)
+        and len(mine) == len(theirs)
+        and all(a is b for a, b in zip(mine, theirs, strict=True))
+    )
+
+
 def _fmt_path(prefix: str, path: Any) -> str:
     p = path_str(path)
     return f"{prefix}/{p}" if p else prefix
@@ -165,7 +179,8 @@ def explain(
         variables: the step's state (parameters and optimizer state), arrays
             or ``ShapeDtypeStruct``s; default ``args[0]``. Leaves without a
             sharding take the compiled one when ``variables`` is one of
-            ``args``.
+            ``args``, or holds the very leaves of one of them, in order (a
+            re-labelled tree: its paths name the variables in the report).
         data_axes: the mesh axes the batch is split over; default: the axes
             splitting dimension 0 of the arguments other than ``variables``.
         rules: the rule behind each variable's layout: a pytree like
@@ -215,7 +230,7 @@ def explain(
                 "(dtensor.explain(step, state, batch)) or variables= explicitly."
             )
         variables = args[0]
-    var_arg = next((i for i, a in enumerate(args) if a is variables), None)
+    var_arg = next((i for i, a in enumerate(args) if _same_leaves(a, variables)), None)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     # Trace once: the jaxpr gives the activations of the ideal peak, then lower it.
     traced = jitted.trace(*args, **kwargs) if hasattr(jitted, "trace") else None

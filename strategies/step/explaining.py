@@ -7,7 +7,9 @@ abstract values where the arguments are abstract, and never run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -76,13 +78,17 @@ def explain_step(
     compiled = compiler._compile(
         FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
     )
+    call_args = compiled.args(arrays)
+    variables = state
+    if not nodes and compiled.mask:  # a functional step: its donated arguments are its state
+        variables = _named_donated(fn, with_paths, compiled.mask, call_args[0])
     with s.mesh:
         try:
             report = explain(
                 compiled.jitted,
                 state,
-                *compiled.args(arrays),
-                variables=state,
+                *call_args,
+                variables=variables,
                 rules=rules,
                 data_axes=s.batch_axes,
                 expect_sharded=s.shards_variables,
@@ -97,6 +103,36 @@ def explain_step(
             raise ours from None
     extra = _layout_findings(compiler, state)
     return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
+
+
+def _named_donated(
+    fn: Callable[..., Any],
+    with_paths: list[tuple[Any, Any]],
+    mask: tuple[bool, ...],
+    donated: list[Any],
+) -> dict[str, Any]:
+    """The donated arrays of a functional step, named by the step's parameters.
+
+    ``step(params, opt_state, batch)`` with ``donate_argnums=(0, 1)`` gives
+    ``params/...`` and ``opt_state/...``: the report's variables, the latter
+    receiving no gradient (as :func:`dtensor.explain` assumes of paths under
+    ``opt_state``).
+    """
+    try:
+        names = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # builtins, some callables
+        names = []
+    paths = [path for path, v in with_paths if argkinds.kind_of(v) is argkinds.ARRAY]
+    out: dict[str, Any] = collections.OrderedDict()
+    for path, leaf in zip([p for p, d in zip(paths, mask, strict=True) if d], donated, strict=True):
+        i = path[1].idx
+        head = names[i] if i < len(names) else f"args[{i}]"
+        out["/".join(x for x in (head, path_str(path[2:])) if x)] = leaf
+    return out
 
 
 def _layout_findings(compiler: Any, state: Any) -> tuple[Any, ...]:

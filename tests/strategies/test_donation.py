@@ -112,6 +112,21 @@ def test_explain_with_donation_aliases_the_state():
     assert donated.peak_bytes_per_device < kept.peak_bytes_per_device
     # explain donates nothing itself
     assert not any(a.is_deleted() for a in jax.tree.leaves((params, opt_state)))
+    # The donated arguments are the report's variables, named by the step's parameters.
+    paths = [v.path for v in donated.variables]
+    assert kept.variables == () and kept.min_comm_bytes_per_device == 0
+    assert {p.split("/")[0] for p in paths} == {"params", "opt_state"}
+    assert "params/up/kernel" in paths
+    assert donated.state_bytes_per_device == state_bytes
+    assert [v.path for v in donated.variables if v.trainable] == [
+        p for p in paths if p.startswith("params/")
+    ]
+    # Each trainable variable split over fsdp: two gathers and a reduce-scatter at the least.
+    params_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+    assert donated.min_comm_bytes_per_device == pytest.approx(3 * 7 / 8 * params_bytes)
+    # Finite now (XLA moves this tiny batch rather than the weights: below the weights' minimum).
+    assert 0 < donated.comm_ratio < 3
+    assert donated.ideal_peak_bytes_per_device >= state_bytes
 
 
 @pytest.mark.parametrize(
