@@ -258,6 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per compile")
     p.add_argument("--jobs", type=int, default=1, help="compiles at once (each in its own process)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of the existing results file that this run does not measure",
+    )
     p.add_argument("--row", nargs=3, metavar=("SIZE", "TOPOLOGY", "OPTION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.row:
@@ -274,6 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     payload: dict[str, Any] = {"global_batch": args.batch, "seq_len": args.seq, "rows": rows}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}
     lock = threading.Lock()
+    if args.merge:
+        path = (args.out or common.RESULTS) / "fsdp_scale.json"
+        if path.exists():
+            for row in json.loads(path.read_text()).get("rows", []):
+                case = (row["size"], row["topology"], row["option"])
+                if case not in plan:
+                    plan.append(case)
+                    done[case] = row
 
     def one(case: tuple[str, str, str]) -> None:
         size, topology, option = case
@@ -292,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
 
     common.ensure_devices()
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(one, plan))
+        list(pool.map(one, [c for c in plan if c not in done]))
     path = common.write_json("fsdp_scale", payload, args.out)
     _print(payload)
     print(f"wrote {path}")

@@ -95,3 +95,11 @@ def test_fsdp_scale_rows_on_cpu(tmp_path):
         assert r["comm_by_kind"].get("reduce-scatter", 0) > 0
         assert r["all_gather_bytes_per_device"] > 0
         assert 1 <= r["comm_ratio"] < 3
+    # --merge keeps the rows this run does not measure.
+    fsdp_scale.main(
+        ["--sizes=", "--topologies=", "--cpu-sizes=tiny", "--options=xla plan", "--merge"]
+        + ["--out", str(tmp_path)]
+    )
+    merged = json.loads((tmp_path / "fsdp_scale.json").read_text())
+    assert {r["option"] for r in merged["rows"]} == {"default", "bf16", "f32 highest", "xla plan"}
+    assert {r["option"]: r for r in merged["rows"]}["bf16"] == rows["bf16"]
