@@ -43,7 +43,9 @@ def measure(preset: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "temp_bytes_per_device": rep.temp_bytes_per_device,
         "state_bytes_per_device": rep.state_bytes_per_device,
         "ideal_state_bytes_per_device": ideal,
-        "argument_ratio": None if not ideal or rep.argument_bytes_per_device is None else rep.argument_bytes_per_device / ideal,
+        "argument_ratio": None
+        if not ideal or rep.argument_bytes_per_device is None
+        else rep.argument_bytes_per_device / ideal,
         "state_ratio": None if not ideal else rep.state_bytes_per_device / ideal,
         "warnings": [w.kind for w in rep.warnings],
     }
@@ -55,7 +57,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
     parser.add_argument("--batch", type=int, default=64, help="global batch (a multiple of 8)")
     parser.add_argument("--presets", default="all", help="comma-separated preset names, or 'all'")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results folder (default benchmarks/results)"
+    )
     args = parser.parse_args(argv)
     common.ensure_devices()
     import strategies
@@ -63,7 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     presets = list(strategies.PRESET_NAMES) if args.presets == "all" else args.presets.split(",")
     rows = [measure(p, kind, args) for kind in ("mlp", "transformer") for p in presets]
     payload = {
-        "settings": {"features": args.features, "hidden": args.hidden, "batch": args.batch, "devices": common.N_DEVICES},
+        "settings": {
+            "features": args.features,
+            "hidden": args.hidden,
+            "batch": args.batch,
+            "devices": common.N_DEVICES,
+        },
         "results": rows,
     }
     path = common.write_json("comm_memory", payload, args.out)
@@ -73,7 +82,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     common.print_table(
         f"communication and memory per device ({path.name})",
-        ["preset", "model", "comm (B)", "min (B)", "comm/min", "args/ideal", "state/ideal", "kinds"],
+        [
+            "preset",
+            "model",
+            "comm (B)",
+            "min (B)",
+            "comm/min",
+            "args/ideal",
+            "state/ideal",
+            "kinds",
+        ],
         [
             (
                 r["preset"],

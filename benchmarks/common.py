@@ -25,7 +25,9 @@ def ensure_devices(n: int = N_DEVICES) -> None:
     except RuntimeError:  # backends already up (e.g. under pytest's conftest)
         pass
     if len(jax.devices()) < n:
-        raise SystemExit(f"the benchmarks need {n} devices, found {len(jax.devices())}; run them in a fresh process.")
+        raise SystemExit(
+            f"the benchmarks need {n} devices, found {len(jax.devices())}; run them in a fresh process."
+        )
 
 
 def environment() -> dict[str, Any]:
@@ -50,7 +52,12 @@ def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) 
     out_dir = Path(out_dir) if out_dir is not None else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **payload}, indent=2, sort_keys=True) + "\n")
+    path.write_text(
+        json.dumps(
+            {"benchmark": name, "environment": environment(), **payload}, indent=2, sort_keys=True
+        )
+        + "\n"
+    )
     return path
 
 

@@ -264,7 +264,16 @@ def main(argv: list[str] | None = None) -> None:
         help="keep the rows of the existing results file that this run does not measure",
     )
     p.add_argument("--row", nargs=3, metavar=("SIZE", "TOPOLOGY", "OPTION"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--markdown",
+        metavar="TOPOLOGY",
+        help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing)",
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        path = (args.out or common.RESULTS) / "fsdp_scale.json"
+        print(markdown(json.loads(path.read_text()), args.markdown))
+        return
     if args.row:
         common.ensure_devices()
         print("ROW " + json.dumps(measure(*args.row, args.batch, args.seq), sort_keys=True))
@@ -374,6 +383,54 @@ def _print(payload: dict[str, Any]) -> None:
             for t in payload.get("targets", [])
         ],
     )
+
+
+#: how the options are written in the README's table
+OPTION_TEXT = {
+    "default": "default (XLA's plan on TPU)",
+    "gather at reads": "`gather_at_read=True` (+ reshard)",
+    "gather at reads, reshard off": "`gather_at_read=True, reshard_after_forward=False`",
+    "xla plan": "`gather_at_read=False`",
+    "f32 highest": "float32, matmul precision HIGHEST",
+    "bf16": "`MixedPrecision()`",
+    "bf16 + remat": "`MixedPrecision()` + `remat=(Block,)`",
+    "bf16 + remat + gather at reads": "`MixedPrecision()` + `remat=(Block,)` + `gather_at_read=True`",
+}
+
+
+def markdown(payload: dict[str, Any], topology: str) -> str:
+    """The rows of one topology as the Markdown table the README and the docs show."""
+    gib = float(1 << 30)
+    order = {k: i for i, k in enumerate(OPTION_TEXT)}
+    rows = sorted(
+        (r for r in payload["rows"] if r["topology"] == topology),
+        key=lambda r: (r["size"], order.get(r["option"], len(order)), r["option"]),
+    )
+    out = [
+        "| model | options | peak per chip | ideal peak | fits HBM | comm / min "
+        "| all-gather per chip | gradient reductions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = OPTION_TEXT.get(r["option"], r["option"])
+        if not r.get("peak_bytes_per_chip"):
+            need = r.get("required_bytes")
+            peak = f"≥ {need / gib:.1f} GiB" if need else "—"
+            fits = "**no**" if r.get("fits") is False else "—"
+            out.append(f"| {r['size']} | {name} | {peak} | — | {fits} | — | — | — |")
+            continue
+        reductions = ", ".join(
+            f"{k} {v / gib:.2f} GiB"
+            for k, v in (r.get("reduce_bytes_by_dtype") or {}).items()
+            if v >= 0.005 * gib
+        )
+        out.append(
+            f"| {r['size']} | {name} | {r['peak_bytes_per_chip'] / gib:.1f} GiB "
+            f"| {r['ideal_peak_bytes_per_device'] / gib:.1f} GiB "
+            f"| {'yes' if r['fits'] else '**no**'} | {r['comm_ratio']:.2f} "
+            f"| {r['all_gather_bytes_per_device'] / gib:.1f} GiB | {reductions or '—'} |"
+        )
+    return "\n".join(out)
 
 
 def common_human(n: float | None) -> str:

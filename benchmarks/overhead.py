@@ -40,7 +40,12 @@ def handwritten(strategy: Any, model: Any, opt: Any, step: Any, batch: Any) -> A
         loss = step(m, o, batch)
         return nnx.state((m, o)), loss
 
-    jitted = jax.jit(pure, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None), donate_argnums=0)
+    jitted = jax.jit(
+        pure,
+        in_shardings=(shardings, batch_shardings),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
     box = {"state": state}
 
     def run() -> Any:
@@ -78,7 +83,10 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         baseline = handwritten(s_jit, m2, o2, step, batch)
         jax.block_until_ready(baseline())  # compile
     except Exception as err:  # noqa: BLE001 - recorded, not fatal
-        return {"preset": preset, "error": f"hand-written jit baseline failed: {type(err).__name__}: {err}"[:300]}
+        return {
+            "preset": preset,
+            "error": f"hand-written jit baseline failed: {type(err).__name__}: {err}"[:300],
+        }
 
     m3, o3 = common.build(s_run, factory)
 
@@ -122,11 +130,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import strategies
 
     presets = (
-        [*strategies.PRESET_NAMES, "fully_sharded_xla_plan"] if args.presets == "all" else args.presets.split(",")
+        [*strategies.PRESET_NAMES, "fully_sharded_xla_plan"]
+        if args.presets == "all"
+        else args.presets.split(",")
     )
     rows = [measure(p, args) for p in presets]
     payload = {
-        "settings": {k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")},
+        "settings": {
+            k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")
+        },
         "results": rows,
     }
     path = common.write_json("overhead", payload, args.out)
@@ -150,7 +162,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     common.print_table(
         f"strategy.run / hand-written jax.jit, per step ({path.name})",
-        ["preset", "run ms", "jit ms", "ratio min", "ratio median", "ratio max", "cache_graph median", "note"],
+        [
+            "preset",
+            "run ms",
+            "jit ms",
+            "ratio min",
+            "ratio median",
+            "ratio max",
+            "cache_graph median",
+            "note",
+        ],
         table,
     )
     return payload

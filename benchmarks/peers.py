@@ -35,14 +35,23 @@ def _keras_data_parallel(args: argparse.Namespace) -> list[float]:
     common.ensure_devices()
     import keras
 
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=keras.distribution.list_devices()))
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+    )
     model = keras.Sequential(
-        [keras.Input((args.features,)), keras.layers.Dense(args.hidden, activation="relu"), keras.layers.Dense(args.features)]
+        [
+            keras.Input((args.features,)),
+            keras.layers.Dense(args.hidden, activation="relu"),
+            keras.layers.Dense(args.features),
+        ]
     )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     b = common.mlp_batch(args.batch, args.features, args.features)
     model.train_on_batch(b["x"], b["y"])  # compile
-    return [common.time_steps(lambda: model.train_on_batch(b["x"], b["y"]), args.steps) for _ in range(args.rounds)]
+    return [
+        common.time_steps(lambda: model.train_on_batch(b["x"], b["y"]), args.steps)
+        for _ in range(args.rounds)
+    ]
 
 
 def _tf_mirrored(args: argparse.Namespace) -> list[float]:
@@ -51,8 +60,12 @@ def _tf_mirrored(args: argparse.Namespace) -> list[float]:
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * common.N_DEVICES)
-    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * common.N_DEVICES
+    )
+    strategy = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")]
+    )
     b = common.mlp_batch(args.batch, args.features, args.features)
     # Adam written out in TF ops: Keras 3's optimizer inside tf.function +
     # MirroredStrategy fails on its internal cond (TF 2.21 / Keras 3.15).
@@ -174,12 +187,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.ensure_devices()
     ours = _ours(args)
     base = common.summary([t * 1e3 for t in ours["raw_jax_jit"]])["median"]
-    rows = [{"peer": k, "status": "ok", "ms_per_step": common.summary([t * 1e3 for t in v])} for k, v in ours.items()]
+    rows = [
+        {"peer": k, "status": "ok", "ms_per_step": common.summary([t * 1e3 for t in v])}
+        for k, v in ours.items()
+    ]
     rows += [_run_peer(name, args) for name in PEERS]
     for r in rows:
         if r["status"] == "ok":
             r["ratio_to_raw_jit"] = r["ms_per_step"]["median"] / base
-    payload = {"settings": {k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")}, "results": rows}
+    payload = {
+        "settings": {
+            k: getattr(args, k) for k in ("features", "hidden", "batch", "rounds", "steps")
+        },
+        "results": rows,
+    }
     path = common.write_json("peers", payload, args.out)
     common.print_table(
         f"the same MLP step under peers ({path.name})",
@@ -189,7 +210,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["peer"],
                 r["status"],
                 *(
-                    (r["ms_per_step"]["median"], r["ms_per_step"]["min"], r["ms_per_step"]["max"], r["ratio_to_raw_jit"])
+                    (
+                        r["ms_per_step"]["median"],
+                        r["ms_per_step"]["min"],
+                        r["ms_per_step"]["max"],
+                        r["ratio_to_raw_jit"],
+                    )
                     if r["status"] == "ok"
                     else ("-", "-", "-", "-")
                 ),

@@ -19,7 +19,9 @@ from . import common
 def main(argv: list[str] | None = None) -> Path | None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     parser.add_argument("--results", type=Path, default=common.RESULTS)
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default <results>/ratios.png)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="PNG path (default <results>/ratios.png)"
+    )
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> Path | None:
             ax.axhline(1.0, color="k", lw=0.8)
             if what == "memory":
                 ax.set_yscale("log")
-            ax.set_title("communication / minimum" if what == "comm" else "argument bytes / ideal (log)")
+            ax.set_title(
+                "communication / minimum" if what == "comm" else "argument bytes / ideal (log)"
+            )
             ax.legend()
         ax.tick_params(axis="x", rotation=60)
     fig.tight_layout()

@@ -19,7 +19,9 @@ from . import common
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
 
-def run(topology: str = "v5e:4x4", num_slices: int = 1, model_size: str = "small", batch_size: int = 64) -> dict[str, Any]:
+def run(
+    topology: str = "v5e:4x4", num_slices: int = 1, model_size: str = "small", batch_size: int = 64
+) -> dict[str, Any]:
     """Compile the demo under every preset for the topology; the rows of the table."""
     import strategies
     from dtensor.analysis.memory import WillNotFitError
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-slices", type=int, default=1)
     p.add_argument("--model-size", default="small")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default benchmarks/results)"
+    )
     args = p.parse_args(argv)
     common.ensure_devices()
     payload = run(args.topology, args.num_slices, args.model_size, args.batch_size)
@@ -85,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             "yes" if row["fits"] else "NO",
             h(row.get("ici_bytes_per_chip")),
             h(row.get("dcn_bytes_per_chip")),
-            "-" if not row.get("min_comm_bytes_per_chip") else f"{row['comm_bytes_per_chip'] / row['min_comm_bytes_per_chip']:.2f}",
+            "-"
+            if not row.get("min_comm_bytes_per_chip")
+            else f"{row['comm_bytes_per_chip'] / row['min_comm_bytes_per_chip']:.2f}",
             f"{row.get('compile_seconds', 0):.1f}",
         )
         for row in payload["rows"]
@@ -93,7 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     slices = f" x {args.num_slices} slices" if args.num_slices > 1 else ""
     common.print_table(
         f"demo ({args.model_size}, batch {args.batch_size}) compiled for {args.topology}{slices}, per chip",
-        ["preset", "mesh", "state", "peak memory", "fits", "ICI / step", "DCN / step", "comm / min", "compile s"],
+        [
+            "preset",
+            "mesh",
+            "state",
+            "peak memory",
+            "fits",
+            "ICI / step",
+            "DCN / step",
+            "comm / min",
+            "compile s",
+        ],
         table,
     )
     print(f"wrote {path}")

@@ -76,7 +76,7 @@ def test_benchmarks_write_json_and_a_plot(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_scale_rows_on_cpu(tmp_path):
+def test_fsdp_scale_rows_on_cpu(tmp_path, capsys):
     """The FSDP-at-scale benchmark, tiny decoder on 8 CPU devices: rows and options applied."""
     from benchmarks import fsdp_scale
 
@@ -103,3 +103,11 @@ def test_fsdp_scale_rows_on_cpu(tmp_path):
     merged = json.loads((tmp_path / "fsdp_scale.json").read_text())
     assert {r["option"] for r in merged["rows"]} == {"default", "bf16", "f32 highest", "xla plan"}
     assert {r["option"]: r for r in merged["rows"]}["bf16"] == rows["bf16"]
+    # The README's table comes from the results file.
+    capsys.readouterr()
+    fsdp_scale.main(["--markdown", "cpu", "--out", str(tmp_path)])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| model | options | peak per chip")
+    assert len(table) == 2 + 4 and all(line.startswith("| tiny |") for line in table[2:])
+    bf16 = next(line for line in table if "`MixedPrecision()`" in line)
+    assert f"| {rows['bf16']['comm_ratio']:.2f} |" in bf16
