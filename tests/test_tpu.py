@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import dtensor
 import strategies
@@ -124,6 +125,26 @@ def test_memory_fit_verdict():
         "v5p": 95,
         "v6e": 32,
     }
+
+
+def test_usable_hbm_is_what_the_tpu_compiler_allows():
+    """The fit verdict's limit per chip is libtpu's own "available HBM", not the chip's HBM."""
+    from dtensor.analysis.memory import USABLE_HBM_GIB
+
+    for topology, chip in (("v5e:2x2", "v5e"), ("v5p:2x2x1", "v5p"), ("v6e:2x2", "v6e")):
+        devices = dtensor.tpu_topology(topology)[:1]
+        mesh = jax.sharding.Mesh(devices, ("x",))
+        x = jax.ShapeDtypeStruct(
+            (1 << 28,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P())
+        )
+        # 150 GiB of outputs: more than any chip has.
+        with pytest.raises(WillNotFitError) as err:
+            dtensor.explain(lambda x: jnp.stack([jnp.sin(x * i) for i in range(150)]), x)
+        assert err.value.available == pytest.approx(USABLE_HBM_GIB[chip] * GIB, rel=1e-3)
+    # 15.9 GiB fits a v5e chip's 16 GiB but not the 15.75 GiB a program may use.
+    near = MemoryFit("v5e", 16 * GIB, 1, 10 * GIB, 0, 0, int(5.9 * GIB), 0, None, int(15.75 * GIB))
+    assert not near.fits and "15.8 GiB usable by a program" in str(near)
+    assert MemoryFit("v5e", 16 * GIB, 1, 10 * GIB, 0, 0, int(5.9 * GIB), 0).fits
 
 
 def test_padded_bytes_follows_tpu_tiles():

@@ -19,6 +19,7 @@ from dtensor.core.text import human_bytes
 
 __all__ = [
     "CHIP_HBM_GIB",
+    "USABLE_HBM_GIB",
     "DEFAULT_ADVICE",
     "MemoryFit",
     "WillNotFitError",
@@ -32,6 +33,10 @@ GIB = 1 << 30
 
 #: HBM per chip, GiB, by TPU generation.
 CHIP_HBM_GIB: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+
+#: HBM per device (TensorCore on v4) that the TPU compiler lets one program use, GiB: the
+#: "available HBM" of its out-of-memory error (libtpu 0.0.42; the rest is reserved).
+USABLE_HBM_GIB: dict[str, float] = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
 
 # ``device_kind`` -> generation.
 _KINDS = {
@@ -149,8 +154,11 @@ class MemoryFit:
     ``bytes_per_chip`` adds the devices that share a chip (the two
     TensorCores of a v4 chip). A program needs ``arguments + outputs -
     aliased + temporaries + code`` at its peak (outputs that reuse donated
-    arguments are counted once). ``advice`` is what would help if it does
-    not fit, given the preset in use (default :data:`DEFAULT_ADVICE`).
+    arguments are counted once), against what the TPU compiler lets one
+    program use of the chip's HBM (``usable_bytes_per_chip``, from
+    :data:`USABLE_HBM_GIB`; the whole HBM when not given). ``advice`` is what
+    would help if it does not fit, given the preset in use (default
+    :data:`DEFAULT_ADVICE`).
 
     Examples:
         >>> from dtensor.analysis.memory import MemoryFit
@@ -170,6 +178,12 @@ class MemoryFit:
     temp_bytes: int
     code_bytes: int
     advice: str | None = None
+    usable_bytes_per_chip: int | None = None
+
+    @property
+    def limit_bytes_per_chip(self) -> int:
+        """What a program may use of one chip: ``usable_bytes_per_chip``, else the whole HBM."""
+        return self.usable_bytes_per_chip or self.hbm_bytes_per_chip
 
     @property
     def bytes_per_device(self) -> int:
@@ -189,13 +203,13 @@ class MemoryFit:
 
     @property
     def fits(self) -> bool:
-        """Whether ``bytes_per_chip`` is within the chip's HBM."""
-        return self.bytes_per_chip <= self.hbm_bytes_per_chip
+        """Whether ``bytes_per_chip`` is within what a program may use of the chip's HBM."""
+        return self.bytes_per_chip <= self.limit_bytes_per_chip
 
     @property
     def fraction(self) -> float:
-        """``bytes_per_chip / hbm_bytes_per_chip``."""
-        return self.bytes_per_chip / self.hbm_bytes_per_chip
+        """``bytes_per_chip / limit_bytes_per_chip``."""
+        return self.bytes_per_chip / self.limit_bytes_per_chip
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with sorted keys (the fields and the derived figures)."""
@@ -205,6 +219,7 @@ class MemoryFit:
             bytes_per_chip=self.bytes_per_chip,
             fits=self.fits,
             fraction=self.fraction,
+            limit_bytes_per_chip=self.limit_bytes_per_chip,
         )
         return dict(sorted(d.items()))
 
@@ -217,7 +232,12 @@ class MemoryFit:
         if self.devices_per_chip > 1:
             parts += f", x{self.devices_per_chip} TensorCores per chip"
         need = f"{h(self.bytes_per_chip)} per {self.chip} chip ({parts})"
-        hbm = f"{h(self.hbm_bytes_per_chip)} of HBM ({self.fraction:.0%} of it)"
+        usable = (
+            f", {h(self.usable_bytes_per_chip)} usable by a program"
+            if self.usable_bytes_per_chip
+            else ""
+        )
+        hbm = f"{h(self.hbm_bytes_per_chip)} of HBM{usable} ({self.fraction:.0%} of it)"
         if self.fits:
             return f"fits: {need} of the chip's {hbm}."
         return f"will not fit: needs {need} but a {self.chip} chip has {hbm}. " + (
@@ -246,10 +266,12 @@ def memory_fit(
     def get(field: str) -> int:
         return int(getattr(memory_analysis, field, 0) or 0)
 
+    per_chip = _devices_per_chip(list(devices))
     return MemoryFit(
         chip=chip,
         hbm_bytes_per_chip=int(CHIP_HBM_GIB[chip] * GIB),
-        devices_per_chip=_devices_per_chip(list(devices)),
+        usable_bytes_per_chip=int(USABLE_HBM_GIB[chip] * GIB) * per_chip,
+        devices_per_chip=per_chip,
         argument_bytes=get("argument_size_in_bytes"),
         output_bytes=get("output_size_in_bytes"),
         alias_bytes=get("alias_size_in_bytes"),

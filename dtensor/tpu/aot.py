@@ -189,6 +189,7 @@ def summary(result: AotResult, *, title: str = "") -> str:
             rows.append((f"per device x {fit.devices_per_chip} TensorCores", None))
         rows.append(("peak per chip", fit.bytes_per_chip))
         rows.append((f"HBM of a {fit.chip} chip", fit.hbm_bytes_per_chip))
+        rows.append(("usable by one program (libtpu)", fit.limit_bytes_per_chip))
     rows.append(("variables (state)", r.state_bytes_per_device))
     rows.append(("variables, ideally sharded", r.ideal_state_bytes_per_device))
     rows.append(("peak (args + temps + outputs - aliased)", r.peak_bytes_per_device))
