@@ -265,6 +265,7 @@ def explain(
         replicated_warn_bytes,
     )
     findings += var_findings
+    findings += _full_size_reductions(infos, collectives, data)
     findings += _check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
@@ -466,6 +467,49 @@ def _variables(
             )
             findings.append(Finding("replicated", p, msg))
     return rows, findings
+
+
+def _split_over_data(v: VariableInfo, data: tuple[str, ...]) -> bool:
+    axes = set(v.layout.replace("(", ",").replace(")", ",").strip("[]").replace(" ", "").split(","))
+    return v.bytes_per_device < v.global_bytes and bool(axes & set(data))
+
+
+def _full_size_reductions(
+    infos: list[tuple[VariableInfo, float]],
+    collectives: Sequence[Collective],
+    data: tuple[str, ...],
+    warn_bytes: int = 1 << 20,
+) -> list[Finding]:
+    """Trainable variables over ``warn_bytes``, split over the data axes, whose gradient is
+    all-reduced whole.
+
+    Each device then holds the whole gradient before it keeps its shard:
+    twice the bytes of a reduce-scatter and a full-size buffer at the peak.
+    Recognised by an all-reduce over data axes of exactly the variable's shape.
+    """
+    whole = {
+        c.shape
+        for c in collectives
+        if c.kind == "all-reduce" and set(c.mesh_axes) & set(data) and len(c.shape) > 0
+    }
+    out = []
+    for v, _ in infos:
+        big = v.global_bytes > warn_bytes
+        if big and v.trainable and _split_over_data(v, data) and tuple(v.shape) in whole:
+            out.append(
+                Finding(
+                    "full-size-reduction",
+                    v.path,
+                    f"{v.path} {list(v.shape)} is split over the data axes ({v.layout}) but its "
+                    f"gradient is all-reduced whole ({human_bytes(v.global_bytes)} on every "
+                    "device) rather than reduce-scattered to its shard: the compiler formed no "
+                    "reduce-scatter (XLA's CPU compiler never does). Gather the parameter where "
+                    "it is read and reduce-scatter its gradient yourself (FullyShardedStrategy "
+                    "does for NNX steps), or compile for TPU/GPU, whose compilers form "
+                    "reduce-scatters.",
+                )
+            )
+    return out
 
 
 def _check_outputs(

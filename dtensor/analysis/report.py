@@ -39,7 +39,8 @@ class VariableInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
-    """A warning: ``kind`` is ``replicated``, ``unmatched`` or ``silent-replication``."""
+    """A warning: ``kind`` is ``replicated``, ``unmatched``, ``silent-replication`` or
+    ``full-size-reduction``."""
 
     kind: str
     path: str

@@ -181,3 +181,59 @@ def test_sharded_axes_errors():
     with pytest.raises(ValueError, match="splits 2 dimensions over the data axes"):
         sharded_axes(P("data", "fsdp"), ["data", "fsdp"])
     assert sharded_axes(P(("data", "fsdp"), None), ["data", "fsdp"]) == (0, ("data", "fsdp"))
+
+
+def test_explain_flags_gradients_all_reduced_whole():
+    """On CPU XLA's plan all-reduces a split kernel's whole gradient; explain says so (and
+    the gather-at-read plan, which reduce-scatters, gets no such finding)."""
+    import flax.linen as nn
+
+    dim, batch = 1024, 4096  # 4 MiB kernels; a batch large enough that XLA moves gradients
+    tx = optax.sgd(1e-2)
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(dim, use_bias=False)(jax.nn.relu(nn.Dense(dim, use_bias=False)(x)))
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+            self.b = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    linen = Linen()
+
+    def linen_step(params, opt_state, b):
+        loss = lambda p: jnp.mean((linen.apply({"params": p}, b["x"]) - b["y"]) ** 2)  # noqa: E731
+        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def nnx_step(model, opt, b):
+        opt.update(model, nnx.grad(lambda m: jnp.mean((m(b["x"]) - b["y"]) ** 2))(model))
+
+    b = {k: jax.ShapeDtypeStruct((batch, dim), jnp.float32) for k in "xy"}
+
+    def flagged(report):
+        return sorted(f.path for f in report.warnings if f.kind == "full-size-reduction")
+
+    s = strategies.FullyShardedStrategy(min_shard_bytes=0)
+    params = s.distribute_variables(
+        jax.eval_shape(lambda: linen.init(jax.random.key(0), jnp.zeros((1, dim)))["params"])
+    )
+    opt_state = s.distribute_variables(jax.eval_shape(tx.init, params))
+    report = s.explain(linen_step, args=(params, opt_state, b), donate_argnums=(0, 1))
+    assert flagged(report) == ["params/Dense_0/kernel", "params/Dense_1/kernel"]
+    assert "reduce-scatter" not in report.by_kind()
+    text = next(f.message for f in report.warnings if f.kind == "full-size-reduction")
+    assert "all-reduced whole (4.0 MiB on every device)" in text and "TPU/GPU" in text
+    for gather_at_read, want in ((True, []), (False, ["0/a/kernel", "0/b/kernel"])):
+        s = strategies.FullyShardedStrategy(min_shard_bytes=0, gather_at_read=gather_at_read)
+        model, opt = nnx.eval_shape(
+            lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=nnx.Param)))(Nnx(nnx.Rngs(0)))
+        )
+        report = s.explain(nnx_step, args=(model, opt, b))
+        assert flagged(report) == want
+        assert ("reduce-scatter" in report.by_kind()) == gather_at_read
