@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -25,7 +24,7 @@ import dtensor
 from dtensor import Layout, Mesh, ReduceOp
 from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
-from strategies import context, creation, tf_compat
+from strategies import context, creation, cross_replica, tf_compat
 from strategies.boundary import explicit_axes_error
 from strategies.datasets import CheckedShares
 from strategies.mixed_precision import MixedPrecision, check_mixed_precision
@@ -424,26 +423,7 @@ class Strategy:
             >>> float(s.reduce("sum", x)), float(s.reduce("max", x))
             (28.0, 7.0)
         """
-        op = ReduceOp.parse(op)
-        _check_reduce_axis(value, axis)
-        fns = {
-            ReduceOp.SUM: jnp.sum,
-            ReduceOp.MEAN: jnp.mean,
-            ReduceOp.MAX: jnp.max,
-            ReduceOp.MIN: jnp.min,
-        }
-        reducer = fns[op]
-
-        def one(v: Any) -> Any:
-            if isinstance(v, PerReplica):
-                # Dimension `axis` of each replica's value is `axis + 1` of the stacked one.
-                axes = (0,) if axis is None else (0, axis % (v.value.ndim - 1) + 1)
-                return _jit_reduce(reducer, axes)(v.value)
-            if axis is None:
-                return v
-            return _jit_reduce(reducer, (axis,))(v)
-
-        return jax.tree.map(one, value, is_leaf=lambda v: isinstance(v, PerReplica))
+        return cross_replica.reduce(op, value, axis)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """All replicas' values concatenated along ``axis``, whole on every device.
@@ -456,15 +436,7 @@ class Strategy:
             [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
         """
 
-        def one(v: Any) -> Any:
-            if isinstance(v, PerReplica):
-                stacked = v.value
-                moved = jnp.moveaxis(stacked, 0, axis)
-                merged = moved.reshape(*moved.shape[:axis], -1, *moved.shape[axis + 2 :])
-                return dtensor.relayout(merged, Layout.replicated(self.mesh, merged.ndim))
-            return dtensor.relayout(v, Layout.replicated(self.mesh, np.ndim(v)))
-
-        return jax.tree.map(one, value, is_leaf=lambda v: isinstance(v, PerReplica))
+        return cross_replica.gather(self.mesh, value, axis)
 
     # ---------------------------------------------------------------- values
     def experimental_distribute_values_from_function(
@@ -547,41 +519,3 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mesh={self.mesh!r}, replicas={self.num_replicas_in_sync})"
-
-
-def _check_reduce_axis(value: Any, axis: int | None) -> None:
-    """A four-part ``ValueError`` unless ``axis`` is a dimension of every leaf of ``value``."""
-    if axis is None:
-        return
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-        raise TypeError(
-            f"strategy.reduce(..., axis={axis!r}): axis must be an int or None, got a "
-            f"{type(axis).__name__}. Pass one dimension (axis=0), or None to reduce across "
-            "replicas only."
-        )
-    leaves = jax.tree_util.tree_leaves_with_path(value, is_leaf=lambda v: isinstance(v, PerReplica))
-    for path, leaf in leaves:
-        where = f" at {jax.tree_util.keystr(path)}" if path else ""
-        if isinstance(leaf, PerReplica):
-            shape = np.shape(leaf.value)[1:]
-            what = f"each replica's value{where} has rank {len(shape)} (shape {tuple(shape)})"
-            fix = "Pass axis=None to reduce across replicas only."
-        else:
-            shape = np.shape(leaf)
-            what = (
-                f"the value{where} is one global array of rank {len(shape)} (shape "
-                f"{tuple(shape)}; its batch dimension already spans all replicas)"
-            )
-            fix = "Pass axis=None to get it back unchanged, or a dimension it has."
-        if not -len(shape) <= axis < len(shape):
-            valid = (
-                "axis must be None (a scalar has no dimensions)"
-                if not shape
-                else f"axis must be None or in [{-len(shape)}, {len(shape) - 1}]"
-            )
-            raise ValueError(f"strategy.reduce(..., axis={axis}): {what}, so {valid}. {fix}")
-
-
-@functools.lru_cache(maxsize=64)
-def _jit_reduce(reducer: Any, axes: tuple[int, ...]) -> Any:
-    return jax.jit(lambda x: reducer(x, axis=axes))
