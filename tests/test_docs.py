@@ -195,3 +195,25 @@ def test_executed_notebooks_match_the_tutorials(name):
     # Executed without JAX_PLATFORMS (docs/execute_notebooks.py): no libtpu probe noise.
     text = str([c.outputs for c in code])
     assert "TPU_WORKER_HOSTNAMES" not in text and "INVALID_ARGUMENT" not in text
+
+
+def test_large_models_guide_example_runs_scaled_down():
+    """The guide's fit check, on the small decoder and v5e:2x2 (the 7b on v5e:4x4 takes minutes)."""
+    guide = (
+        Path(__file__).resolve().parents[1] / "docs" / "guides" / "large_models.md"
+    ).read_text()
+    code = re.findall(r"```python\n(.*?)```", guide, re.S)[0]
+    assert 'CONFIGS["7b"]' in code and '"v5e:4x4"' in code and "(16, 1024)" in code
+    code = code.replace('CONFIGS["7b"]', 'CONFIGS["small"]').replace('"v5e:4x4"', '"v5e:2x2"')
+    code = code.replace("(16, 1024)", "(8, 128)")
+    code += "\nprint(report.memory_fit.fits, report.peak_bytes_per_device > 0)\n"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True True"
