@@ -29,7 +29,7 @@ import dtensor
 from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
 from dtensor.core.text import sizes_text
-from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
+from dtensor.core.tree import is_variable, leaf_value, path_str, replace_value
 from strategies import context, offload
 from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
@@ -68,14 +68,9 @@ class StepCompiler:
         donate_argnums: Any = (),
     ) -> Any:
         s = self.strategy
-        fn = argkinds.check_callable(fn, "run")
-        with_paths, treedef = argkinds.flatten_args(args, kwargs)
-        donate = donation.check_argnums(donate_argnums, args, "run")
-        mask = donation.donated_mask(with_paths, donate)
-        if not per_replica and s.gradient_reduction is not None:
-            donation.check_reduction(mask, s, "run", donate_argnums)
-        flat = [v for _, v in with_paths]
-        nodes = [v for v in flat if is_node(v)]
+        fn, with_paths, treedef, mask, flat, nodes = donation.prepare_call(
+            s, fn, args, kwargs, donate_argnums, "run", explicit_reduction=not per_replica
+        )
         cached = self.graphs.get(nodes) if nodes and cache_graph else None
         graphdef, state, layouts = self._node_state(nodes, cached)
         self._check_rows(with_paths)

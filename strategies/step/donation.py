@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from dtensor.core.tree import is_node
 from strategies.step import args as argkinds
 
-__all__ = ["Step", "check_argnums", "check_reduction", "donated_mask", "jit_step"]
+__all__ = [
+    "Call",
+    "Step",
+    "check_argnums",
+    "check_reduction",
+    "donated_mask",
+    "jit_step",
+    "prepare_call",
+]
 
 
 def check_argnums(donate_argnums: Any, args: Any, method: str) -> frozenset[int]:
@@ -134,3 +143,39 @@ def check_reduction(
         "array arguments. NNX models and optimizers are donated already; drop donate_argnums, "
         "or use the strategy's default cross_device_ops."
     )
+
+
+class Call(NamedTuple):
+    """A ``run``/``explain`` call's arguments, checked and sorted."""
+
+    fn: Callable[..., Any]
+    with_paths: list[tuple[Any, Any]]  # (path, leaf) of (args, kwargs), NNX nodes whole
+    treedef: Any
+    mask: tuple[bool, ...]  # per array leaf: donated
+    flat: list[Any]
+    nodes: list[Any]  # the NNX modules and optimizers among the leaves
+
+
+def prepare_call(
+    strategy: Any,
+    fn: Any,
+    args: Any,
+    kwargs: Any,
+    donate_argnums: Any,
+    method: str,
+    *,
+    explicit_reduction: bool,
+) -> Call:
+    """Check ``fn``, flatten ``(args, kwargs)`` and work out the donation, before anything compiles.
+
+    ``explicit_reduction``: the step is compiled by the strategy's explicit
+    gradient reduction, which refuses donated arrays.
+    """
+    fn = argkinds.check_callable(fn, method)
+    with_paths, treedef = argkinds.flatten_args(args, kwargs)
+    mask = donated_mask(with_paths, check_argnums(donate_argnums, args, method))
+    if explicit_reduction and strategy.gradient_reduction is not None:
+        check_reduction(mask, strategy, method, donate_argnums)
+    flat = [v for _, v in with_paths]
+    nodes = [v for v in flat if is_node(v)]
+    return Call(fn, with_paths, treedef, mask, flat, nodes)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from dtensor.analysis.explain import explain
 from dtensor.analysis.report import Finding
-from dtensor.core.tree import is_node, is_variable, leaf_value, path_str, replace_value
+from dtensor.core.tree import is_variable, leaf_value, path_str, replace_value
 from strategies.boundary import explicit_axes_error
 from strategies.step import args as argkinds
 from strategies.step import donation
@@ -39,14 +39,9 @@ def explain_step(
 ) -> Any:
     """The :func:`dtensor.explain` report of what ``compiler.run`` compiles for these arguments."""
     s = compiler.strategy
-    fn = argkinds.check_callable(fn, "explain")
-    with_paths, treedef = argkinds.flatten_args(args, kwargs)
-    donate = donation.check_argnums(donate_argnums, args, "explain")
-    mask = donation.donated_mask(with_paths, donate)
-    if s.gradient_reduction is not None:
-        donation.check_reduction(mask, s, "explain", donate_argnums)
-    flat = [v for _, v in with_paths]
-    nodes = [v for v in flat if is_node(v)]
+    fn, with_paths, treedef, mask, flat, nodes = donation.prepare_call(
+        s, fn, args, kwargs, donate_argnums, "explain", explicit_reduction=True
+    )
     graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
     layouts = rules = None
     if nodes:
