@@ -45,6 +45,7 @@ OPTIONS: dict[str, list[str]] = {
     "bf16": ["--mixed-precision", "bf16"],
     "bf16 + remat": ["--mixed-precision", "bf16", "--remat"],
     "bf16 + remat + gather at reads": ["--mixed-precision", "bf16", "--remat", "--gather-at-reads"],
+    "bf16 + remat + scan": ["--mixed-precision", "bf16", "--remat", "--scan"],
 }
 
 #: options compiled with another default matmul precision. "f32 highest" is the float32
@@ -278,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
         common.ensure_devices()
         print("ROW " + json.dumps(measure(*args.row, args.batch, args.seq), sort_keys=True))
         return
-    options = [o for o in args.options.split(",") if o]
+    options = [o.strip() for o in args.options.split(",") if o.strip()]
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        p.error(f"--options: {unknown} are not options; valid: {', '.join(OPTIONS)}")
     pairs = [(s, t) for s in args.sizes.split(",") if s for t in args.topologies.split(",") if t]
     pairs += [(s, "cpu") for s in args.cpu_sizes.split(",") if s]
     plan = [(s, t, o) for s, t in pairs for o in options]
@@ -395,6 +399,7 @@ OPTION_TEXT = {
     "bf16": "`MixedPrecision()`",
     "bf16 + remat": "`MixedPrecision()` + `remat=(Block,)`",
     "bf16 + remat + gather at reads": "`MixedPrecision()` + `remat=(Block,)` + `gather_at_read=True`",
+    "bf16 + remat + scan": "`MixedPrecision()` + `remat=(Block,)`, layers in `nnx.scan`",
 }
 
 

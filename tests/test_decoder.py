@@ -68,7 +68,8 @@ def test_tiny_decoder_trains_under_fully_sharded_as_on_one_device(variant):
         assert np.linalg.norm(np.asarray(a) - b) <= tol * np.linalg.norm(b)
 
 
-def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(monkeypatch):
+@pytest.mark.parametrize("scan", [False, True])
+def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(monkeypatch, scan):
     """MixedPrecision + remat=(Block,) on the preset = the decoder built with dtype=bf16 + remat.
 
     The decoder's ``dtype=None`` computes in the dtype its weights are read in,
@@ -79,8 +80,9 @@ def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(
 
     from examples import decoder
 
-    batches = _batches(CONFIGS["tiny"])
-    want, _ = _reference(CONFIGS["tiny"].replace(dtype=jnp.bfloat16, remat=True), batches)
+    cfg = CONFIGS["tiny"].replace(scan=scan)
+    batches = _batches(cfg)
+    want, _ = _reference(cfg.replace(dtype=jnp.bfloat16, remat=True), batches)
     seen = []
     mlp_call = decoder.MLP.__call__
 
@@ -93,11 +95,13 @@ def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(
         min_shard_bytes=0, mixed_precision=strategies.MixedPrecision(), remat=(Block,)
     )
     with s.scope():
-        model, opt = _build(CONFIGS["tiny"])
+        model, opt = _build(cfg)
     got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
-    # The last trace is the compiled one (an earlier probe of the reads leaves them as stored).
+    # The last trace is the compiled one (an earlier probe of the reads leaves them as stored);
+    # a scan traces its body once for all layers.
     bf16 = np.dtype(jnp.bfloat16)
-    assert seen[-CONFIGS["tiny"].layers :] == [(bf16, bf16)] * CONFIGS["tiny"].layers
+    n = 1 if scan else cfg.layers
+    assert seen[-n:] == [(bf16, bf16)] * n
     # The preset also rounds the norms' scales to bf16 and reduces gradients in float32.
     np.testing.assert_allclose(got, want, rtol=1e-2)
     assert got[-1] < got[0]
