@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +386,39 @@ def test_tpu_linen_functional_fsdp_step_reduce_scatters_its_gradients():
     state = 3 * layers * kernel // 4  # params + Adam's two moments, split over 4 chips
     assert donated.alias_bytes_per_device >= state
     assert donated.peak_bytes_per_device <= kept.peak_bytes_per_device - state
+
+
+def test_tpu_collectives_inside_scanned_layers_count_every_layer():
+    """libtpu's optimised HLO drops a while loop's known_trip_count: the trip count comes from
+    the loop condition, so the collectives of a decoder's layers in nnx.scan count once per
+    layer (and pass), not once."""
+    from dtensor.analysis.hlo_text import computations, multipliers
+    from examples.decoder import CONFIGS, Block, Decoder, loss_fn
+
+    devices = dtensor.tpu_topology("v5e:2x2")
+    s = strategies.FullyShardedStrategy(
+        devices, min_shard_bytes=0, mixed_precision=strategies.MixedPrecision(), remat=(Block,)
+    )
+    batch = {k: jax.ShapeDtypeStruct((8, 128), jnp.int32) for k in "xy"}
+
+    def step(model, opt, b):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, b)
+        opt.update(model, grads)
+        return loss
+
+    cfg = CONFIGS["small"].replace(scan=True)
+    model, opt = nnx.eval_shape(
+        lambda: (lambda m: (m, nnx.Optimizer(m, optax.adamw(1e-3), wrt=nnx.Param)))(
+            Decoder(cfg, rngs=nnx.Rngs(0))
+        )
+    )
+    report = s.explain(step, args=(model, opt, batch))
+    text = report.compiled.as_text()
+    assert "known_trip_count" not in text  # what the fallback is for
+    comps, entry = computations(text)
+    loops = [i for c in comps.values() for i in c if i.opcode == "while"]
+    assert len(loops) >= 2  # forward and backward scans
+    bodies = {re.search(r"body=%?([\w.\-]+)", i.rest).group(1) for i in loops}
+    assert {multipliers(comps, entry)[b] for b in bodies} == {cfg.layers}
+    counts = {c.count for c in report.collectives}
+    assert cfg.layers in counts and max(counts) == cfg.layers

@@ -262,6 +262,34 @@ _CALLS = re.compile(
 )
 
 
+def _trip_from_condition(comps: dict[str, list[Instr]], ins: Instr) -> int:
+    """A while loop's trip count from its condition ``counter < constant(N)`` (else 1).
+
+    The TPU compiler's optimised HLO drops ``known_trip_count``; a ``jax.lax``
+    loop (``scan``, ``fori_loop``) still compares its counter, which starts at
+    0, against the constant trip count.
+    """
+    m = re.search(r"condition=%?([\w.\-]+)", ins.rest)
+    cond = comps.get(m.group(1), []) if m else []
+    consts = {}
+    for c in cond:
+        if c.opcode == "constant":
+            k = re.match(r"\(\s*(-?\d+)\s*\)", c.rest)
+            if k:
+                consts[c.name] = int(k.group(1))
+    for c in cond:
+        if c.opcode != "compare":
+            continue
+        ops = re.findall(r"%?([\w.\-]+)", c.rest.split(")", 1)[0])
+        if len(ops) < 2:
+            continue
+        if "direction=LT" in c.rest and ops[1] in consts:
+            return max(consts[ops[1]], 1)
+        if "direction=GT" in c.rest and ops[0] in consts:
+            return max(consts[ops[0]], 1)
+    return 1
+
+
 def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, int]:
     """Executions of each computation per program run (while trip counts)."""
     callers: dict[str, list[tuple[str, int]]] = {}
@@ -270,7 +298,7 @@ def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, i
             trip = 1
             if ins.opcode == "while":
                 m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', ins.rest)
-                trip = int(m.group(1)) if m else 1
+                trip = int(m.group(1)) if m else _trip_from_condition(comps, ins)
             for key, callee in _CALLS.findall(ins.rest):
                 callers.setdefault(callee, []).append((parent, trip if key == "body" else 1))
             m = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)
