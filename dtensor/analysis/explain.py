@@ -319,10 +319,7 @@ def _peak_terms(
     replicas = math.prod(sizes.get(a, 1) for a in data)
     gathered = []
     for v, _ in infos:  # trainable variables split over a data axis are gathered (ZeRO-3)
-        axes = set(
-            v.layout.replace("(", ",").replace(")", ",").strip("[]").replace(" ", "").split(",")
-        )
-        if v.trainable and v.bytes_per_device < v.global_bytes and axes & set(data):
+        if v.trainable and _split_over_data(v, data):
             gathered.append(v.global_bytes)
     batch = 0
     prefixes: list[tuple[int, ...]] = []
@@ -470,6 +467,7 @@ def _variables(
 
 
 def _split_over_data(v: VariableInfo, data: tuple[str, ...]) -> bool:
+    """Whether ``v`` is split (not only replicated) over one of the data axes."""
     axes = set(v.layout.replace("(", ",").replace(")", ",").strip("[]").replace(" ", "").split(","))
     return v.bytes_per_device < v.global_bytes and bool(axes & set(data))
 

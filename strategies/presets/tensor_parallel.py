@@ -286,21 +286,13 @@ class HybridStrategy(Strategy):
     def read_options(self) -> ReadOptions:
         """Gather ``fsdp``-split reads (``gather_at_read``), reshard, remat, casts."""
         fsdp = self.mesh.shape["fsdp"] > 1
-        if fsdp and self.gather_at_read:
-            # Every mesh axis Explicit (``tensor`` is 1): JAX types the gathered
-            # ``reduced`` weights and their ``unreduced`` gradients only then.
-            return ReadOptions(
-                axes=self.batch_axes,
-                gather=True,
-                explicit_axes=self.mesh.dim_names,
-                reshard_after_forward=self.reshard_after_forward,
-                remat=self.remat,
-                remat_policy=self._policy,
-                mixed_precision=self.mixed_precision,
-                preset=type(self).__name__,
-            )
+        gather = fsdp and self.gather_at_read
         return ReadOptions(
-            axes=("fsdp",),
+            axes=self.batch_axes if gather else ("fsdp",),
+            gather=gather,
+            # Every mesh axis Explicit when gathering (``tensor`` is 1): JAX types the
+            # gathered ``reduced`` weights and their ``unreduced`` gradients only then.
+            explicit_axes=self.mesh.dim_names if gather else (),
             reshard_after_forward=self.reshard_after_forward and fsdp,
             remat=self.remat,
             remat_policy=self._policy,

@@ -25,9 +25,14 @@ def _setup(strategy, tx):
     return step, batches, params0
 
 
-def _run(strategy, step, tx, params0, batches, donate):
+def _state(strategy, tx, params0):
+    """``params0`` and its optimizer state in ``strategy``'s layouts."""
     params = strategy.distribute_variables(params0)
-    opt_state = strategy.distribute_variables(tx.init(params))
+    return params, strategy.distribute_variables(tx.init(params))
+
+
+def _run(strategy, step, tx, params0, batches, donate):
+    params, opt_state = _state(strategy, tx, params0)
     losses = []
     for b in batches:
         given = jax.tree.leaves((params, opt_state))
@@ -80,8 +85,7 @@ def test_donation_deletes_the_donated_arrays_only():
     tx = optax.adam(1e-2)
     s = strategies.FullyShardedStrategy(min_shard_bytes=0)
     step, batches, params0 = _setup(s, tx)
-    params = s.distribute_variables(params0)
-    opt_state = s.distribute_variables(tx.init(params))
+    params, opt_state = _state(s, tx, params0)
     batch = jax.tree.map(lambda v: jax.device_put(v, s.batch_layout(v.ndim).sharding), batches[0])
     host = batches[1]
     new, new_opt, _ = s.run(step, args=(params, opt_state, batch), donate_argnums=(0, -2))
@@ -97,8 +101,7 @@ def test_explain_with_donation_aliases_the_state():
     tx = optax.adam(1e-2)
     s = strategies.FullyShardedStrategy(min_shard_bytes=0)
     step, batches, params0 = _setup(s, tx)
-    params = s.distribute_variables(params0)
-    opt_state = s.distribute_variables(tx.init(params))
+    params, opt_state = _state(s, tx, params0)
     args = (params, opt_state, batches[0])
     kept = s.explain(step, args=args)
     donated = s.explain(step, args=args, donate_argnums=(0, 1))
@@ -144,8 +147,7 @@ def test_bad_donate_argnums_raise_before_compiling(donate, error, match):
     s = strategies.MirroredStrategy()
     step, batches, params0 = _setup(s, tx)
     counted, calls = _traced(step)
-    params = s.distribute_variables(params0)
-    opt_state = s.distribute_variables(tx.init(params))
+    params, opt_state = _state(s, tx, params0)
     with pytest.raises(error, match=match):
         s.run(counted, args=(params, opt_state, batches[0]), donate_argnums=donate)
     with pytest.raises(error, match=match.replace("run", "explain")):
@@ -159,8 +161,7 @@ def test_donation_is_part_of_the_compile_key():
     s = strategies.FullyShardedStrategy(min_shard_bytes=0)
     step, batches, params0 = _setup(s, tx)
     counted, calls = _traced(step)
-    params = s.distribute_variables(params0)
-    opt_state = s.distribute_variables(tx.init(params))
+    params, opt_state = _state(s, tx, params0)
     for b in batches[:2]:  # the second call has the first one's outputs' shardings
         params, opt_state, _ = s.run(counted, args=(params, opt_state, b), donate_argnums=(0, 1))
     n = len(calls)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -20,19 +19,15 @@ from flax import nnx
 import dtensor
 import strategies
 from tests.models import (
-    Block,
-    MLPModel,
     lm_batches,
     lm_loss,
     make_train_step,
-    mlp_batches,
-    mlp_loss,
     rel_err,
 )
+from tests.strategies.test_fsdp_comm import MODELS
 
 DATA, FSDP = 2, 4
 N = DATA * FSDP
-MODELS = {"mlp": (MLPModel, mlp_loss, mlp_batches), "transformer": (Block, lm_loss, lm_batches)}
 TOL = 1e-5  # as tests/strategies/test_conformance.py
 
 
@@ -147,7 +142,7 @@ def test_without_gather_at_read_xla_all_reduces_full_gradients():
 
 
 def test_mixed_precision_gathers_bf16_and_reduce_scatters_f32_on_tpu():
-    from tests.strategies.test_fsdp_options import Deep, deep_loss
+    from tests.strategies.test_fsdp_options import tpu_mixed_precision_dtypes
 
     devices = dtensor.tpu_topology("v5e:2x2")  # libtpu comes with the dev extra (tpu-aot)
     strategy = strategies.HybridStrategy(
@@ -158,21 +153,9 @@ def test_mixed_precision_gathers_bf16_and_reduce_scatters_f32_on_tpu():
         mixed_precision=strategies.MixedPrecision(),
         gather_at_read=True,
     )
-    both = nnx.eval_shape(
-        lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)))(
-            Deep(nnx.Rngs(0), d=256)
-        )
-    )
-    batch = {k: jax.ShapeDtypeStruct((16, 256), jnp.float32) for k in ("x", "y")}
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*XLA's own plan")
-        rep = strategy.explain(make_train_step(deep_loss), args=(*both, batch))
-    kernel_gathers = {
-        c.dtype for c in rep.collectives if c.kind == "all-gather" and len(c.shape) == 2
-    }
-    scatters = {c.dtype for c in rep.collectives if c.kind == "reduce-scatter"}
-    assert kernel_gathers == {"bf16"}
-    assert scatters == {"f32"}
+        assert tpu_mixed_precision_dtypes(strategy) == ({"bf16"}, {"f32"})
 
 
 def test_fallback_warning_names_hybrid():

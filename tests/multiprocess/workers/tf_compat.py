@@ -7,21 +7,10 @@ TF_CONFIG first, process 0 the chief).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-
-def to_tf_config() -> int:
-    coordinator = os.environ.pop("DTENSOR_COORDINATOR")
-    n = int(os.environ.pop("DTENSOR_NUM_PROCESSES"))
-    me = int(os.environ.pop("DTENSOR_PROCESS_ID"))
-    devices = int(os.environ.pop("DTENSOR_DEVICES_PER_PROCESS"))
-    workers = [f"127.0.0.1:{10000 + i}" for i in range(1, n)]
-    task = {"type": "chief", "index": 0} if me == 0 else {"type": "worker", "index": me - 1}
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"chief": [coordinator], "worker": workers}, "task": task}
-    )
-    return devices
+# The same TF_CONFIG as the collective worker (this script's folder is on sys.path).
+from collective import to_tf_config
 
 
 def main() -> None:
