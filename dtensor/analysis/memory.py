@@ -167,6 +167,11 @@ class MemoryFit:
         (False, 22.0)
         >>> print(fit)
         will not fit: needs 22.0 GiB per v5e chip (arguments 20.0 GiB + outputs 1.0 GiB - aliased 1.0 GiB + temporaries 2.0 GiB + code 0 B) but a v5e chip has 16.0 GiB of HBM (138% of it). Shard the variables (FullyShardedStrategy / HybridStrategy), shrink the batch, or use more chips.
+        >>> from dtensor.analysis.memory import USABLE_HBM_GIB
+        >>> near = MemoryFit("v5e", 16 << 30, 1, 15 << 30, 0, 0, 900 << 20, 0,
+        ...                  usable_bytes_per_chip=int(USABLE_HBM_GIB["v5e"] * 2**30))
+        >>> near.fits, near.limit_bytes_per_chip / 2**30   # 15.9 GiB: within 16, over 15.75
+        (False, 15.75)
     """
 
     chip: str
