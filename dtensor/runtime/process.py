@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -155,6 +156,8 @@ def initialize(
     heartbeat_timeout_s: float = 15,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
+    tolerate: Sequence[int] = (),
+    names: Mapping[int, str] | None = None,
 ) -> ClusterSpec | None:
     """Join this process to a multi-process job (a no-op for a single process).
 
@@ -192,6 +195,9 @@ def initialize(
             waiting, with :data:`EXIT_PEER_LOST`, as soon as one of them is
             lost.
         summary: print the cluster table on process 0.
+        tolerate: processes whose loss does not stop this one (the workers of
+            a parameter-server job, :func:`dtensor.runtime.join_cluster`).
+        names: how messages name processes (``{1: "ps 0"}``).
 
     Returns:
         The resolved cluster, or ``None`` for a single process.
@@ -248,6 +254,8 @@ def initialize(
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
+            tolerate=tuple(tolerate),
+            names=dict(names or {}),
         )
         _state.initialized, _state.spec = True, spec
         _state.shutdown_timeout_s = shutdown_timeout_s
@@ -312,7 +320,13 @@ def _check_port_free(spec: ClusterSpec) -> None:
 
 
 def _connect(
-    spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
+    spec: ClusterSpec,
+    *,
+    timeout_s: float,
+    heartbeat_timeout_s: float,
+    shutdown_timeout_s: float,
+    tolerate: tuple[int, ...] = (),
+    names: dict[int, str] | None = None,
 ) -> ClusterSpec:
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
@@ -366,6 +380,7 @@ def _connect(
         spec.coordinator_address,
         heartbeat_timeout_s,
     )
+    monitor.tolerate, monitor.names = frozenset(tolerate), dict(names or {})
     _state.monitor = monitor
     monitor.start()
     peers.install_abort_hook(monitor)
@@ -460,6 +475,25 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
             "path through the program, or failed; raise timeout_s or make every process call "
             f"barrier({name!r}) in the same order. Coordination service said: {e}"
         ) from None
+
+
+def end_task(status: int = 0) -> None:
+    """End a serving task of a parameter-server job now (TF's ``server.join()`` never returns).
+
+    It tells the others it finished (the chief waits for that before it
+    stops the coordination service) and exits at once, without JAX's
+    shutdown RPC: a recoverable task still disconnecting when the chief shuts
+    the service down would otherwise abort.
+    """
+    import logging
+
+    with _lock:
+        if _state.monitor is not None:
+            _state.monitor.finish(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def shutdown() -> None:

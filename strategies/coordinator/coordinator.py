@@ -68,13 +68,17 @@ from typing import Any
 
 import jax
 
+from dtensor import compat
 from dtensor.core.tree import is_node
-from strategies import coordinator_step as cs
-from strategies.coordinator_params import ParameterGroup
-from strategies.coordinator_values import (
+from dtensor.runtime.roles import current_role
+from strategies.coordinator import step as cs
+from strategies.coordinator.params import ParameterGroup
+from strategies.coordinator.values import (
     PerWorkerDataset,
     PerWorkerValues,
+    RemoteDataset,
     RemoteValue,
+    StaleCommit,
     WorkerFailure,
 )
 from strategies.presets.parameter_server import ParameterServerStrategy
@@ -95,12 +99,15 @@ class CoordinatorStats:
         staleness: for each committed update, in commit order, how many other
             updates were committed between its read of the parameters and its own.
         retries: closures put back on the queue after a worker failure.
+        bytes_moved: across processes, the bytes the closures moved between
+            tasks (snapshots, changes, outputs); 0 in one process.
     """
 
     completed: int
     per_worker: tuple[int, ...]
     staleness: tuple[int, ...]
     retries: int
+    bytes_moved: int = 0
 
 
 class _Closure:
@@ -147,6 +154,8 @@ class ClusterCoordinator:
         num_workers: int | None = None,
         *,
         max_retries: int = 3,
+        max_staleness: int | None = None,
+        worker_timeout_s: float = 4.0,
     ) -> None:
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(
@@ -155,11 +164,31 @@ class ClusterCoordinator:
                 "devices). Build one, e.g. strategies.ParameterServerStrategy(num_ps=2)."
             )
         self.strategy = strategy
-        self._ps_mesh = strategy.parameter_mesh()
-        self._workers = strategy.worker_meshes(num_workers)
-        _check_addressable(strategy.mesh.device_list)
         self.max_retries = max_retries
-        self._params = ParameterGroup(strategy, self._ps_mesh)
+        self._remote: Any = None
+        role = current_role()
+        if role is not None:  # a multi-process job: drive the ps and worker tasks by message
+            if not role.is_chief:
+                raise RuntimeError(
+                    f"ClusterCoordinator on a '{role.task_type}' task: only the chief runs the "
+                    "training loop; the others call dtensor.runtime.serve()."
+                )
+            from strategies.coordinator.cluster import ClusterBackend
+
+            self._remote = ClusterBackend(
+                strategy,
+                role,
+                compat.distributed_client(),
+                max_staleness=max_staleness,
+                worker_timeout_s=worker_timeout_s,
+                on_worker_back=lambda w: self.set_worker_available(w, True),
+            )
+            self._ps_mesh, self._workers = None, tuple(range(role.num_workers))
+        else:
+            self._ps_mesh = strategy.parameter_mesh()
+            self._workers = strategy.worker_meshes(num_workers)
+            _check_addressable(strategy.mesh.device_list)
+            self._params = ParameterGroup(strategy, self._ps_mesh, max_staleness=max_staleness)
         self._cond = threading.Condition()  # the queue and the bookkeeping below
         self._queue: collections.deque[_Closure] = collections.deque()
         self._in_flight = 0
@@ -211,7 +240,7 @@ class ClusterCoordinator:
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         for node in jax.tree.leaves((args, kwargs), is_leaf=is_node):
             if is_node(node):
-                self._params.place(node)
+                (self._remote or self._params).place(node)
         closure = _Closure(next(self._ids), fn, args, kwargs)
         with self._cond:
             self._queue.append(closure)
@@ -256,6 +285,11 @@ class ClusterCoordinator:
         element from the new worker's iterator (the failed worker's element is
         skipped, as in TF).
         """
+        if self._remote is not None:
+            from strategies.coordinator.cluster import _named
+
+            name = _named(dataset_fn, "create_per_worker_dataset()")
+            return RemoteDataset(0, name, self.num_workers)  # type: ignore[return-value]
         takes_ctx = any(
             p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
             for p in inspect.signature(dataset_fn).parameters.values()
@@ -288,10 +322,13 @@ class ClusterCoordinator:
 
     def stats(self) -> CoordinatorStats:
         """What has run so far (see :class:`CoordinatorStats`)."""
-        staleness = self._params.staleness()
+        if self._remote is not None:
+            staleness, moved = tuple(self._remote.staleness), self._remote.bytes_moved
+        else:
+            staleness, moved = self._params.staleness(), 0
         with self._cond:
             return CoordinatorStats(
-                sum(self._per_worker), tuple(self._per_worker), staleness, self._retries
+                sum(self._per_worker), tuple(self._per_worker), staleness, self._retries, moved
             )
 
     def close(self) -> None:
@@ -307,6 +344,8 @@ class ClusterCoordinator:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -351,6 +390,11 @@ class ClusterCoordinator:
     def _failed(self, w: int, closure: _Closure, error: BaseException) -> None:
         with self._cond:
             self._in_flight -= 1
+            if isinstance(error, StaleCommit):  # not the worker's fault: run it again
+                self._retries += 1
+                self._queue.appendleft(closure)
+                self._cond.notify_all()
+                return
             if _is_worker_failure(error) or not self._available[w]:
                 self._available[w] = False
                 closure.failures += 1
@@ -379,6 +423,8 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
     def _run(self, w: int, closure: _Closure) -> Any:
+        if self._remote is not None:
+            return self._remote.run(w, closure.id, closure.fn, closure.args, closure.kwargs)
         args, kwargs = _resolve((closure.args, closure.kwargs), w)
         return self._params.run(
             closure.fn,

@@ -1,0 +1,135 @@
+"""``serve()``: what the ``ps`` and ``worker`` tasks of a parameter-server job do (TF's ``server.join()``).
+
+The runtime knows the roles and the transport (:mod:`dtensor.runtime.rpc`);
+what a role *does* with a request is registered by the layer that knows it
+(``strategies`` registers the parameter server and the worker of
+``ClusterCoordinator``) with :func:`register_service`. A service is an object
+with ``lanes`` (how many ordered conversations it answers at once) and
+``handle(message) -> reply``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from dtensor import compat
+from dtensor.runtime import rpc
+from dtensor.runtime.process import end_task
+from dtensor.runtime.roles import TaskRole, current_role
+
+__all__ = ["Service", "register_service", "serve"]
+
+
+class Service(Protocol):
+    lanes: int
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]: ...
+
+
+_services: dict[str, Callable[[TaskRole, Any, rpc.Transfers], Service]] = {}
+
+
+def register_service(
+    task_type: str, factory: Callable[[TaskRole, Any, rpc.Transfers], Service]
+) -> None:
+    """Say what ``serve()`` runs for ``task_type`` (``factory(role, client, transfers)``).
+
+    Examples:
+        >>> from dtensor.runtime.serve import register_service, _services
+        >>> "ps" in _services or True
+        True
+    """
+    _services[task_type] = factory
+
+
+def _guarded(service: Service) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def handle(message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return service.handle(message)
+        except rpc.PeerGone as e:
+            return {"error": str(e), "kind": "peer"}
+        except Exception as e:  # noqa: BLE001 - the chief re-raises it as the closure's error
+            return {
+                "error": f"{type(e).__name__}: {e}",
+                "kind": "user",
+                "traceback": traceback.format_exc(limit=8),
+            }
+
+    return handle
+
+
+def serve() -> None:
+    """Serve this task's role until the chief ends the job (TF: ``server.join()``).
+
+    Call it on every task but the chief, after :func:`dtensor.runtime.join_cluster`
+    and after the script's top level has registered its step, dataset and
+    builder functions. Like TF's ``server.join()`` it does not return: when
+    the chief's coordinator closes, the task ends with status 0.
+
+    Raises:
+        RuntimeError: not in a parameter-server job, called on the chief, or no
+            service registered for the role (``import strategies`` first).
+
+    Examples:
+        >>> import dtensor.runtime
+        >>> dtensor.runtime.serve()  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        RuntimeError: serve() outside a parameter-server job ...
+    """
+    role = current_role()
+    if role is None:
+        raise RuntimeError(
+            "serve() outside a parameter-server job: this process has no role. Call "
+            "dtensor.runtime.join_cluster() first (under python -m dtensor.launch --ps N "
+            "--workers M, or with a TF_CONFIG that lists chief, ps and worker tasks)."
+        )
+    if role.is_chief:
+        raise RuntimeError(
+            "serve() on the chief: the chief runs the training loop with "
+            "strategies.ClusterCoordinator; only 'ps' and 'worker' tasks serve."
+        )
+    factory = _services.get(role.task_type)
+    if factory is None:
+        raise RuntimeError(
+            f"serve() on a '{role.task_type}' task: no service is registered for it; got "
+            f"{sorted(_services)}. Import strategies (which registers the parameter server and "
+            "the worker of ClusterCoordinator) before calling serve()."
+        )
+    client = compat.distributed_client()
+    transfers = rpc.Transfers(compat.coordinator_address())
+    service = factory(role, client, transfers)
+    info = rpc.TaskInfo(role.process_id, rpc.new_incarnation(), transfers.address())
+    stop = threading.Event()
+    handle = _guarded(service)
+    threads = [
+        threading.Thread(
+            target=rpc.serve_lane,
+            args=(client, info, lane, handle, stop),
+            name=f"dtensor-serve-{lane}",
+            daemon=True,
+        )
+        for lane in range(service.lanes)
+    ]
+    for t in threads:
+        t.start()
+    info.publish(client)
+    while True:
+        try:
+            client.blocking_key_value_get(rpc.STOP_KEY, 1000)
+            break
+        except Exception as e:  # noqa: BLE001 - a timeout: keep serving
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+    stop.set()
+    for t in threads:
+        t.join(timeout=5)
+    end_task(0)
+
+
+def stop_services(client: Any) -> None:
+    """The chief: tell every serving task to return from :func:`serve`."""
+    client.key_value_set(rpc.STOP_KEY, json.dumps(True), allow_overwrite=True)

@@ -1,0 +1,254 @@
+"""The chief's side of a multi-process ``ClusterCoordinator``: drives ps and worker tasks by message.
+
+One closure on worker ``w`` (each step a JSON message on the coordination
+service's key-value store, arrays through ``jax.experimental.transfer``):
+
+1. the chief asks the parameter server to ``read``: it offers a snapshot of
+   the modules the closure reads, taken under its lock (its version is noted);
+2. the chief asks worker ``w`` to ``run`` the registered step: the worker
+   pulls the snapshot, takes its next element of its own dataset, runs the
+   step compiled for its devices, and offers the changes and the output;
+3. the chief pulls the output (the closure's :class:`RemoteValue`);
+4. the chief asks the parameter server to ``commit``: it pulls the changes
+   from the worker and applies them in commit order, at most once per
+   closure, with the number of commits since its read as the staleness
+   (above ``max_staleness`` the commit is refused and the closure runs again).
+
+A worker that dies (its heartbeat stops, or it comes back as a new
+incarnation) fails its closure with :class:`WorkerFailure` before step 4
+completes; the coordinator runs it again on another worker. A worker that
+comes back is given closures again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dtensor.runtime import rpc
+from dtensor.runtime.roles import TaskRole
+from dtensor.runtime.serve import stop_services
+from dtensor.core.tree import is_node
+from strategies.coordinator.plan import Plan, encode_value, resolve_value, structure
+from strategies.coordinator.remote import RemoteFunction, lookup, nodes_of_call, origin
+from strategies.coordinator.values import StaleCommit, WorkerFailure
+
+__all__ = ["ClusterBackend"]
+
+def _named(fn: Any, what: str) -> str:
+    if isinstance(fn, RemoteFunction):
+        return fn.name
+    raise TypeError(
+        f"{what} across processes got {getattr(fn, '__qualname__', fn)!r}, a function the other "
+        "tasks cannot find: only registered functions are sent, by name. Decorate it with "
+        "@strategies.remote_function at the top level of the script every task runs."
+    )
+
+
+class ClusterBackend:
+    """Talks to the ps and worker tasks for :class:`strategies.ClusterCoordinator` on the chief."""
+
+    def __init__(
+        self,
+        strategy: Any,
+        role: TaskRole,
+        client: Any,
+        *,
+        max_staleness: int | None,
+        worker_timeout_s: float,
+        on_worker_back: Any,
+        join_timeout_s: float = 120,
+    ) -> None:
+        if role.num_ps != 1:
+            raise ValueError(
+                f"ClusterCoordinator across processes supports one ps task for now; the job has "
+                f"num_ps={role.num_ps}. Start it with --ps 1 (the ps task splits the variables "
+                "over its own devices by the partitioner)."
+            )
+        self.strategy, self.role, self.client = strategy, role, client
+        self.max_staleness, self.worker_timeout_s = max_staleness, worker_timeout_s
+        self.transfers = rpc.Transfers()
+        self._on_worker_back = on_worker_back
+        self._lock = threading.Lock()
+        self._builders: dict[str, int] = {}
+        self._traces: dict[Any, Any] = {}
+        self.staleness: list[int] = []
+        self.bytes_moved = 0
+        self.ps = rpc.TaskInfo.wait(client, role.process_of("ps", 0), join_timeout_s)
+        lanes = range(role.num_workers + 1)  # one per worker thread, the last for control
+        self._ps_lanes = [rpc.Channel(client, self.ps, lane) for lane in lanes]
+        self._ps_watch = rpc.Watch(client, self.ps, 10 * worker_timeout_s)
+        self.workers = [
+            rpc.TaskInfo.wait(client, role.process_of("worker", w), join_timeout_s)
+            for w in range(role.num_workers)
+        ]
+        self._channels = [rpc.Channel(client, info, 0) for info in self.workers]
+        self._watches = [rpc.Watch(client, info, worker_timeout_s) for info in self.workers]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._rejoins, name="ps-rejoin", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- variables
+    def place(self, node: Any) -> None:
+        """Send a builder's initial variables to the parameter server (once per builder call)."""
+        made = self._origin(node, "schedule()")
+        with self._lock:
+            if self._builders.get(made.builder) == made.call:
+                return
+            self._builders[made.builder] = made.call
+        state = nnx.split(nodes_of_call(made))[1]
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        leaves = [x for _, x in flat]
+        split = [
+            bool(x.ndim) and "ps" in self.strategy.parameter_layout(jax.tree_util.keystr(p), x).axes(0)
+            for p, x in flat
+        ]
+        message = {
+            "op": "init",
+            "builder": made.builder,
+            "address": self.transfers.address(),
+            "uuid": self.transfers.offer(leaves),
+            "specs": [rpc.spec_of(x) for x in leaves],
+            "split": split,
+        }
+        self._call_ps(self.role.num_workers, message)
+
+    def fetch_variables(self, node: Any) -> tuple[Any, ...]:
+        """Copy the parameter server's current values into the chief's nodes of ``node``'s builder."""
+        made = self._origin(node, "fetch_variables()")
+        nodes = nodes_of_call(made)
+        leaves, treedef = jax.tree.flatten(nnx.split(nodes)[1])
+        reply = self._call_ps(self.role.num_workers, {"op": "state", "builder": made.builder})
+        pulled = self.transfers.pull(self.ps.address, reply["uuid"], [rpc.spec_of(x) for x in leaves])
+        placed = [jax.device_put(p, x.sharding) for p, x in zip(pulled, leaves, strict=True)]
+        nnx.update(nodes, jax.tree.unflatten(treedef, placed))
+        return nodes
+
+    def checkpoint(self, op: str, node: Any, directory: str, step: int) -> None:
+        """``op`` is ``"save"`` or ``"restore"``: the parameter server does it, layout-aware."""
+        made = self._origin(node, f"{op}()")
+        message = {"op": op, "builder": made.builder, "directory": str(directory), "step": int(step)}
+        self._call_ps(self.role.num_workers, message)
+
+    @staticmethod
+    def _origin(node: Any, what: str) -> Any:
+        made = origin(node)
+        if made is None:
+            raise TypeError(
+                f"{what} across processes got a {type(node).__name__} that no registered builder "
+                "made, so the other tasks cannot build its structure. Build the model and "
+                "optimizer in a @strategies.remote_function (e.g. `model, optimizer = build()` "
+                "inside strategy.scope()) and pass those objects."
+            )
+        return made
+
+    # ---------------------------------------------------------------- closures
+    def run(self, w: int, cid: int, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run closure ``cid`` on worker ``w`` (the four steps of the module docstring)."""
+        name = _named(fn, "schedule()")
+        made = [origin(v) for v in jax.tree.leaves((args, kwargs), is_leaf=is_node) if is_node(v)]
+        builders = {o.builder for o in made if o is not None}
+        if len(builders) > 1:
+            raise ValueError(
+                f"a closure across processes reads nodes of {len(builders)} builders "
+                f"({sorted(builders)}); build everything one closure uses in one builder."
+            )
+        builder = builders.pop() if builders else ""
+        nodes = structure(builder) if builder else ()
+        encoded = encode_value((tuple(args), dict(kwargs)), lambda v: self._origin(v, "schedule()").index)
+        read = {"uuid": 0, "version": 0}
+        if builder:
+            modules = self._modules(encoded, nodes)
+            read = self._call_ps(w, {"op": "read", "builder": builder, "modules": modules})
+        message = {"op": "run", "closure": cid, "fn": name, "builder": builder, "args": encoded}
+        message.update(ps=self.ps.address, uuid=read["uuid"])
+        info = self.workers[w]
+        try:
+            ran = self._channels[w].call(message, self._watches[w].alive)
+            self._check(ran, w, cid)
+            step, shapes, snapshot_bytes = self._trace(name, ran["args"], nodes)
+            out_leaves, out_tree = jax.tree.flatten(shapes[2])
+            specs = [rpc.spec_of(x) for x in out_leaves]
+            outs = self.transfers.pull(info.address, ran["out"], specs, timeout_s=30)
+        except rpc.PeerGone as e:
+            raise WorkerFailure(f"worker {w}: {e}") from None
+        moved = snapshot_bytes + _nbytes(shapes)
+        if builder and (step.deltas or step.updates):
+            message = {"op": "commit", "closure": cid, "fn": name, "builder": builder}
+            message.update(args=ran["args"], address=info.address, uuid=ran["changes"])
+            message.update(read_version=read["version"], max_staleness=self.max_staleness)
+            commit = self._call_ps(w, message)
+            self._check(commit, w, cid)
+            if commit.get("stale"):
+                raise StaleCommit(
+                    f"closure {cid} read parameters {commit['staleness']} commits old, more than "
+                    f"max_staleness={self.max_staleness}: it runs again"
+                )
+            if not commit.get("duplicate"):
+                with self._lock:
+                    self.staleness.append(int(commit["staleness"]))
+        with self._lock:
+            self.bytes_moved += int(moved)
+        return jax.tree.unflatten(out_tree, outs)
+
+    def _modules(self, encoded: Any, nodes: tuple[Any, ...]) -> list[int]:
+        args, kwargs = resolve_value(encoded, nodes, lambda *_: None)
+        plan = Plan(_noop, args, kwargs)
+        return [next(i for i, n in enumerate(nodes) if n is m) for m in plan.modules]
+
+    def _trace(self, name: str, abstract: Any, nodes: tuple[Any, ...]) -> Any:
+        key = (name, repr(abstract))
+        traced = self._traces.get(key)
+        if traced is None:
+            args, kwargs = resolve_value(abstract, nodes, lambda *_: None)
+            plan = Plan(lookup(name).fn, args, kwargs)
+            step, shapes = plan.trace()
+            snapshot = _nbytes(plan.module_state()[1])
+            traced = self._traces[key] = (step, shapes, snapshot)
+        return traced
+
+    @staticmethod
+    def _check(reply: dict[str, Any], w: int, cid: int) -> None:
+        if "error" not in reply:
+            return
+        if reply.get("kind") == "peer":
+            raise WorkerFailure(f"worker {w} was lost before closure {cid} committed: {reply['error']}")
+        raise RuntimeError(
+            f"closure {cid} failed on worker {w}: {reply['error']}\n{reply.get('traceback', '')}"
+        )
+
+    def _call_ps(self, lane: int, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            reply = self._ps_lanes[lane].call(message, self._ps_watch.alive)
+        except rpc.PeerGone as e:
+            raise RuntimeError(f"the parameter server (ps 0) was lost: {e}") from None
+        if "error" in reply and reply.get("kind") != "peer":
+            raise RuntimeError(f"the parameter server failed on {message['op']!r}: {reply['error']}")
+        return reply
+
+    # ---------------------------------------------------------------- rejoins
+    def _rejoins(self) -> None:
+        while not self._stop.wait(0.5):
+            for w in range(self.role.num_workers):
+                info = rpc.TaskInfo.read(self.client, self.workers[w].process)
+                if info is not None and info.incarnation != self.workers[w].incarnation:
+                    self._channels[w] = rpc.Channel(self.client, info, 0)
+                    self._watches[w] = rpc.Watch(self.client, info, self.worker_timeout_s)
+                    self.workers[w] = info
+                    self._on_worker_back(w)
+
+    def close(self) -> None:
+        self._stop.set()
+        stop_services(self.client)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -1,0 +1,138 @@
+"""TF's parameter-server tutorial in NNX: one script, run by the chief, the ps and the workers.
+
+    python -m dtensor.launch --ps 1 --workers 2 -- python ps_train.py --steps 40
+
+The chief prints ``RESULT {json}``: the losses, the final loss on the whole
+data set, and the coordinator's statistics. ``--kill-worker K`` makes worker
+0 SIGKILL itself while running its K-th closure (to test recovery);
+``--die ps`` makes the ps task SIGKILL itself after a few commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import dtensor.runtime
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--kill-worker", type=int, default=0)
+parser.add_argument("--die", default="")
+parser.add_argument("--save", default="")
+parser.add_argument("--max-staleness", type=int, default=-1)
+parser.add_argument("--local", action="store_true", help="the single-process coordinator instead")
+flags = parser.parse_args()
+
+if not flags.local:
+    role = dtensor.runtime.join_cluster(local_device_count=1)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import strategies  # noqa: E402
+
+FEATURES = 4
+TRUE_W = np.arange(1, FEATURES + 1, dtype=np.float32) / FEATURES
+
+
+class Regression(nnx.Module):
+    """The tutorial's Keras model: Dense(1) over the features, here an NNX module."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.dense = nnx.Linear(FEATURES, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.dense(x)[:, 0]
+
+
+@strategies.remote_function
+def build():
+    model = Regression(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+def data(seed: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return x, (x @ TRUE_W + 0.5).astype(np.float32)
+
+
+@strategies.remote_function
+def dataset_fn(ctx):
+    x, y = data(100 + ctx.input_pipeline_id)  # each worker its own shard of data
+
+    def batches():
+        while True:
+            for i in range(0, len(x), 16):
+                yield x[i : i + 16], y[i : i + 16]
+
+    return batches()
+
+
+calls = {"n": 0}
+
+
+@strategies.remote_function
+def train_step(model, optimizer, batch):
+    if flags.kill_worker and os.environ.get("DTENSOR_TASK_TYPE") == "worker":
+        if os.environ.get("DTENSOR_TASK_INDEX") == "0" and not os.environ.get("PS_RESTARTED"):
+            calls["n"] += 1  # counted at trace time on the worker: once per compile
+    x, y = batch
+
+    def loss_fn(m):
+        return ((m(x) - y) ** 2).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def main() -> None:
+    strategy = strategies.ParameterServerStrategy(num_ps=1)
+    with strategy.scope():
+        model, optimizer = build()
+    bound = None if flags.max_staleness < 0 else flags.max_staleness
+    coordinator = strategies.ClusterCoordinator(strategy, max_staleness=bound)
+    if flags.local:
+        ds = coordinator.create_per_worker_dataset(dataset_fn.fn)
+    else:
+        ds = coordinator.create_per_worker_dataset(dataset_fn)
+    iterator = iter(ds)
+    losses = [coordinator.schedule(train_step, args=(model, optimizer, iterator)) for _ in range(flags.steps)]
+    coordinator.join()
+    assert coordinator.done()
+    values = [float(v) for v in coordinator.fetch(losses)]
+    if not flags.local:
+        coordinator._remote.fetch_variables(model)
+        if flags.save:
+            coordinator._remote.checkpoint("save", model, flags.save, 1)
+    x, y = data(7, 256)
+    final = float(((model(x) - y) ** 2).mean())
+    stats = coordinator.stats()
+    coordinator.close()
+    print("RESULT " + json.dumps({
+        "losses": values, "final": final, "completed": stats.completed,
+        "per_worker": stats.per_worker, "staleness": stats.staleness,
+        "retries": stats.retries, "bytes": stats.bytes_moved, "step": int(optimizer.step[...]),
+    }), flush=True)
+
+
+if flags.local:
+    main()
+elif role.is_chief:
+    main()
+else:
+    if flags.die == "ps" and role.task_type == "ps":
+        import threading
+        threading.Timer(8.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    if flags.kill_worker and role.task_type == "worker" and role.task_index == 0 and not os.environ.get("PS_RESTARTED"):
+        import threading
+        threading.Timer(float(flags.kill_worker), lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    dtensor.runtime.serve()
+    sys.exit(0)
