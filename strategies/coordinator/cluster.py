@@ -174,8 +174,10 @@ class ClusterBackend:
             out_leaves, out_tree = jax.tree.flatten(shapes[2])
             specs = [rpc.spec_of(x) for x in out_leaves]
             outs = self.transfers.pull(info.address, ran["out"], specs, timeout_s=30)
-        except rpc.PeerGone as e:
-            raise WorkerFailure(f"worker {w}: {e}") from None
+        except (rpc.PeerGone, WorkerFailure) as e:
+            failure = WorkerFailure(f"worker {w}: {e}")
+            failure.rejoined = self.workers[w].incarnation != info.incarnation  # type: ignore[attr-defined]
+            raise failure from None
         moved = snapshot_bytes + _nbytes(shapes)
         if builder and (step.deltas or step.updates):
             message = {"op": "commit", "closure": cid, "fn": name, "builder": builder}
@@ -215,6 +217,8 @@ class ClusterBackend:
     def _check(reply: dict[str, Any], w: int, cid: int) -> None:
         if "error" not in reply:
             return
+        if reply.get("kind") == "ps":  # "UNAVAILABLE: ...": the runtime names the lost ps
+            raise RuntimeError(reply["error"])
         if reply.get("kind") == "peer":
             raise WorkerFailure(f"worker {w} was lost before closure {cid} committed: {reply['error']}")
         raise RuntimeError(
@@ -225,7 +229,7 @@ class ClusterBackend:
         try:
             reply = self._ps_lanes[lane].call(message, self._ps_watch.alive)
         except rpc.PeerGone as e:
-            raise RuntimeError(f"the parameter server (ps 0) was lost: {e}") from None
+            raise RuntimeError(f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}") from None
         if "error" in reply and reply.get("kind") != "peer":
             raise RuntimeError(f"the parameter server failed on {message['op']!r}: {reply['error']}")
         return reply

@@ -396,7 +396,7 @@ class ClusterCoordinator:
                 self._cond.notify_all()
                 return
             if _is_worker_failure(error) or not self._available[w]:
-                self._available[w] = False
+                self._available[w] = getattr(error, "rejoined", False)  # a new incarnation is up
                 closure.failures += 1
                 if closure.failures <= self.max_retries and not self._closed:
                     self._retries += 1

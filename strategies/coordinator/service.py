@@ -216,7 +216,10 @@ class WorkerService:
         plan = Plan(lookup(m["fn"]).fn, args, kwargs)
         graphdef, abstract = plan.module_state()
         leaves, treedef = jax.tree.flatten(abstract)
-        pulled = self.transfers.pull(m["ps"], m["uuid"], [rpc.spec_of(x) for x in leaves])
+        try:
+            pulled = self.transfers.pull(m["ps"], m["uuid"], [rpc.spec_of(x) for x in leaves])
+        except rpc.PeerGone as e:
+            return {"error": f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}", "kind": "ps"}
         state = jax.tree.unflatten(treedef, [jax.device_put(x, self.replicated) for x in pulled])
         arrays = [jax.device_put(a, _batch_sharding(self.mesh, a)) for a in plan.arrays]
         key = (m["fn"], graphdef, tuple(plan.kinds), cs.array_signature(arrays), plan.treedef)

@@ -4,8 +4,9 @@
 
 The chief prints ``RESULT {json}``: the losses, the final loss on the whole
 data set, and the coordinator's statistics. ``--kill-worker K`` makes worker
-0 SIGKILL itself while running its K-th closure (to test recovery);
-``--die ps`` makes the ps task SIGKILL itself after a few commits.
+0 SIGKILL itself while reading its K-th batch, inside a closure (once: see
+``--marker``);
+``--die ps`` makes the ps task SIGKILL itself 3 s after it starts serving.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import argparse
 import json
 import os
 import signal
-import sys
+import threading
+import time
 
 import dtensor.runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--kill-worker", type=int, default=0)
+parser.add_argument("--kill-worker", type=int, default=0, help="worker 0 dies at its K-th batch")
+parser.add_argument("--marker", default="", help="a file: worker 0 dies only if it does not exist")
+parser.add_argument("--sleep", type=float, default=0.0, help="seconds each batch takes to read")
 parser.add_argument("--die", default="")
 parser.add_argument("--save", default="")
 parser.add_argument("--max-staleness", type=int, default=-1)
@@ -68,21 +72,21 @@ def dataset_fn(ctx):
     x, y = data(100 + ctx.input_pipeline_id)  # each worker its own shard of data
 
     def batches():
+        n = 0
         while True:
             for i in range(0, len(x), 16):
+                n += 1
+                if flags.kill_worker == n and ctx.input_pipeline_id == 0 and not os.path.exists(flags.marker):
+                    open(flags.marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-closure: read, not committed
+                time.sleep(flags.sleep)
                 yield x[i : i + 16], y[i : i + 16]
 
     return batches()
 
 
-calls = {"n": 0}
-
-
 @strategies.remote_function
 def train_step(model, optimizer, batch):
-    if flags.kill_worker and os.environ.get("DTENSOR_TASK_TYPE") == "worker":
-        if os.environ.get("DTENSOR_TASK_INDEX") == "0" and not os.environ.get("PS_RESTARTED"):
-            calls["n"] += 1  # counted at trace time on the worker: once per compile
     x, y = batch
 
     def loss_fn(m):
@@ -106,6 +110,7 @@ def main() -> None:
     iterator = iter(ds)
     losses = [coordinator.schedule(train_step, args=(model, optimizer, iterator)) for _ in range(flags.steps)]
     coordinator.join()
+    print(f"joined at {time.time():.1f}", flush=True)
     assert coordinator.done()
     values = [float(v) for v in coordinator.fetch(losses)]
     if not flags.local:
@@ -129,10 +134,6 @@ elif role.is_chief:
     main()
 else:
     if flags.die == "ps" and role.task_type == "ps":
-        import threading
-        threading.Timer(8.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    if flags.kill_worker and role.task_type == "worker" and role.task_index == 0 and not os.environ.get("PS_RESTARTED"):
-        import threading
-        threading.Timer(float(flags.kill_worker), lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    print(f"{role.task_type} {role.task_index} serving at {time.time():.1f}", flush=True)
     dtensor.runtime.serve()
-    sys.exit(0)

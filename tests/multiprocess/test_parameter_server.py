@@ -1,0 +1,87 @@
+"""ClusterCoordinator across processes: chief, ps and workers started by dtensor.launch --ps/--workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST
+from dtensor.runtime.launch import launch
+from tests.multiprocess.util import REPO, WORKERS, _Discard, report
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def run_ps(*args: str, restart_workers: int = 0, timeout_s: float = 120):
+    return launch(
+        [sys.executable, str(WORKERS / "ps_train.py"), *args],
+        4,
+        num_ps=1,
+        restart_workers=restart_workers,
+        timeout_s=timeout_s,
+        grace_s=1.0,
+        env={"PYTHONPATH": str(REPO)},
+        out=_Discard(),  # type: ignore[arg-type]
+    )
+
+
+def chief_result(result) -> dict:
+    lines = [ln for ln in result.outputs[0].splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, report(result)
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+def single_process_result(steps: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(WORKERS / "ps_train.py"), "--local", "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+             "XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+        check=True,
+    )
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_tutorial_across_processes_reaches_the_single_process_loss() -> None:
+    result = run_ps("--steps", "40", "--max-staleness", "2")
+    assert result.returncode == 0 and result.returncodes == (0, 0, 0, 0), report(result)
+    got = chief_result(result)
+    assert got["completed"] == 40 and got["step"] == 40  # every closure committed once
+    assert sum(got["per_worker"]) == 40 and all(n > 0 for n in got["per_worker"])
+    assert len(got["staleness"]) == 40 and max(got["staleness"]) <= 2  # the bound, enforced
+    assert got["bytes"] > 0
+    local = single_process_result(40)
+    assert local["step"] == 40
+    # asynchronous updates from 2 workers, staleness <= 2: the same regression converges as far
+    assert got["final"] < 1e-3 and local["final"] < 1e-3, (got["final"], local["final"])
+    assert got["losses"][-1] < 0.01 * got["losses"][0]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_loses_only_its_closure_and_a_restarted_one_rejoins(tmp_path) -> None:
+    marker = str(tmp_path / "killed")
+    result = run_ps(
+        "--steps", "60", "--kill-worker", "3", "--marker", marker, "--sleep", "0.15",
+        restart_workers=1,
+    )
+    assert result.returncode == 0, report(result)
+    got = chief_result(result)
+    assert got["completed"] == 60 and got["step"] == 60, report(result)  # all once, none twice
+    assert got["retries"] >= 1  # the closure in flight on the killed worker ran again
+    assert result.outputs[2].count("worker 0 serving") == 2, report(result)  # restarted, rejoined
+    assert got["per_worker"][0] > 2, got["per_worker"]  # it ran closures after its restart
+
+
+def test_ps_death_stops_the_job_naming_it() -> None:
+    result = run_ps("--steps", "400", "--sleep", "0.05", "--die", "ps", timeout_s=60)
+    assert not result.timed_out, report(result)
+    assert result.returncodes[1] == 128 + 9, report(result)
+    assert result.returncodes[0] == EXIT_PEER_LOST, report(result)
+    lines = [ln for ln in result.outputs[0].splitlines() if "lost process 1 (ps 0)" in ln]
+    assert len(lines) == 1, report(result)
