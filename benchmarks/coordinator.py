@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 6])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument(
-        "--process-workers", type=int, nargs="*", default=[1, 2, 4],
+        "--process-workers",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4],
         help="worker counts of the multi-process rows (chief + 1 ps + K worker processes)",
     )
     args = parser.parse_args(argv)
@@ -192,7 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     Console().print(table)
     base = rows[0]["closures_per_s"] if rows else float("nan")
     procs = Table(title="Across processes (chief + 1 ps + K workers, 1 CPU device each)")
-    for col in ("workers", "closures/s", "vs 1-process 1 worker", "bytes/closure", "staleness mean", "max", "final loss"):
+    for col in (
+        "workers",
+        "closures/s",
+        "vs 1-process 1 worker",
+        "bytes/closure",
+        "staleness mean",
+        "max",
+        "final loss",
+    ):
         procs.add_column(col, justify="right")
     for r in process_rows:
         procs.add_row(

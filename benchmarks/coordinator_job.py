@@ -71,13 +71,19 @@ def main() -> None:
     x, y = _data(flags.closures)
     staleness = stats.staleness[warm:]
     coordinator.close()
-    print("RESULT " + json.dumps({
-        "closures_per_s": flags.closures / elapsed,
-        "bytes_per_closure": (stats.bytes_moved - warm_bytes) / flags.closures,
-        "staleness_mean": float(np.mean(staleness)),
-        "staleness_max": int(np.max(staleness)),
-        "final_loss": float(_loss(model, jnp.asarray(x), jnp.asarray(y))),
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "closures_per_s": flags.closures / elapsed,
+                "bytes_per_closure": (stats.bytes_moved - warm_bytes) / flags.closures,
+                "staleness_mean": float(np.mean(staleness)),
+                "staleness_max": int(np.max(staleness)),
+                "final_loss": float(_loss(model, jnp.asarray(x), jnp.asarray(y))),
+            }
+        ),
+        flush=True,
+    )
 
 
 if role.is_chief:

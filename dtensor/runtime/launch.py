@@ -298,6 +298,7 @@ def launch(
     timed_out = False
     before_timeout: tuple[int, int] | None = None
     try:
+
         def start(rank: int) -> subprocess.Popen[bytes]:
             proc_env = dict(base, **{ENV_PROCESS_ID: str(rank)})
             if num_ps is not None:
@@ -323,7 +324,11 @@ def launch(
                     job.ended.remove((rank, code))
                     with contextlib.suppress(OSError):
                         (job.status_dir / f"{rank}.status").unlink()
-                    _note(sink, lock, f"rank {rank} ({roles[rank][0]} {roles[rank][1]}) {describe(code)}; restarting it")
+                    _note(
+                        sink,
+                        lock,
+                        f"rank {rank} ({roles[rank][0]} {roles[rank][1]}) {describe(code)}; restarting it",
+                    )
                     job.procs[rank] = start(rank)
             first = job.first_failure()
             if first is not None and not failed:
@@ -379,9 +384,11 @@ def _roles(num_processes: int, num_ps: int | None) -> list[tuple[str, int]]:
             f"a parameter-server job needs at least one ps and one worker besides the chief; "
             f"got num_ps={num_ps} of {num_processes} processes. Use e.g. --ps 1 --workers 2."
         )
-    return [("chief", 0)] + [("ps", i) for i in range(num_ps)] + [
-        ("worker", i) for i in range(num_processes - 1 - num_ps)
-    ]
+    return (
+        [("chief", 0)]
+        + [("ps", i) for i in range(num_ps)]
+        + [("worker", i) for i in range(num_processes - 1 - num_ps)]
+    )
 
 
 def _role_env(role: tuple[str, int], num_ps: int, num_workers: int) -> dict[str, str]:

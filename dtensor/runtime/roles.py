@@ -234,7 +234,9 @@ def join_cluster(
         return _current[0]
     role, address = resolve_role(task_type, task_index, num_ps=num_ps, num_workers=num_workers)
     jax.config.update("jax_enable_recoverability", True)
-    cluster = (None, None, None) if address is None else (address, role.num_processes, role.process_id)
+    cluster = (
+        (None, None, None) if address is None else (address, role.num_processes, role.process_id)
+    )
     process.initialize(
         *cluster,
         local_device_count=local_device_count,
@@ -257,4 +259,3 @@ def current_role() -> TaskRole | None:
         True
     """
     return _current[0] if _current else None
-

@@ -133,15 +133,23 @@ class Channel:
                 if not _deadline_exceeded(e):
                     raise
             if not alive():
-                raise PeerGone(f"process {self.info.process} stopped before it answered {message.get('op')!r}")
+                raise PeerGone(
+                    f"process {self.info.process} stopped before it answered {message.get('op')!r}"
+                )
             if deadline is not None and time.monotonic() > deadline:
-                raise PeerGone(f"process {self.info.process} did not answer {message.get('op')!r} within {timeout_s:g} s")
+                raise PeerGone(
+                    f"process {self.info.process} did not answer {message.get('op')!r} within {timeout_s:g} s"
+                )
         self.client.key_value_delete(key)
         return json.loads(raw)
 
 
 def serve_lane(
-    client: Any, info: TaskInfo, lane: int, handle: Callable[[dict[str, Any]], dict[str, Any]], stop: threading.Event
+    client: Any,
+    info: TaskInfo,
+    lane: int,
+    handle: Callable[[dict[str, Any]], dict[str, Any]],
+    stop: threading.Event,
 ) -> None:
     """Answer the requests of one lane, in order, until ``stop`` is set."""
     base = f"{_PREFIX}{info.process}/{info.incarnation}/{lane}/"
@@ -191,9 +199,7 @@ class Transfers:
 
         self.device = jax.local_devices()[0]
         host = _host_of(coordinator)
-        self.server = transfer.start_transfer_server(
-            self.device.client, f"{host}:0", [f"{host}:0"]
-        )
+        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
         self._conns: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.bytes_offered = 0
@@ -213,7 +219,9 @@ class Transfers:
             self.bytes_offered += sum(int(x.nbytes) for x in single)
         return uuid
 
-    def pull(self, address: str, uuid: int, specs: Sequence[Any], timeout_s: float = 60) -> list[Any]:
+    def pull(
+        self, address: str, uuid: int, specs: Sequence[Any], timeout_s: float = 60
+    ) -> list[Any]:
         """Pull what a peer offered as ``uuid`` (``specs``: ``[shape, dtype]`` per array)."""
         if not specs:
             return []
@@ -222,7 +230,9 @@ class Transfers:
             if conn is None:
                 conn = self._conns[address] = self.server.connect(address)
         sharding = jax.sharding.SingleDeviceSharding(self.device)
-        want = [jax.ShapeDtypeStruct(tuple(s), jax.numpy.dtype(d), sharding=sharding) for s, d in specs]
+        want = [
+            jax.ShapeDtypeStruct(tuple(s), jax.numpy.dtype(d), sharding=sharding) for s, d in specs
+        ]
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         try:
             out = list(conn.pull(uuid, want, timeout=deadline))

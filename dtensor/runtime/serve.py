@@ -100,6 +100,7 @@ def serve() -> None:
             "the worker of ClusterCoordinator) before calling serve()."
         )
     client = compat.distributed_client()
+    assert client is not None  # join_cluster() joined the job
     transfers = rpc.Transfers(compat.coordinator_address())
     service = factory(role, client, transfers)
     info = rpc.TaskInfo(role.process_id, rpc.new_incarnation(), transfers.address())

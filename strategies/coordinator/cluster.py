@@ -29,15 +29,16 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dtensor.core.tree import is_node
 from dtensor.runtime import rpc
 from dtensor.runtime.roles import TaskRole
 from dtensor.runtime.serve import stop_services
-from dtensor.core.tree import is_node
 from strategies.coordinator.plan import Plan, encode_value, resolve_value, structure
 from strategies.coordinator.remote import RemoteFunction, lookup, nodes_of_call, origin
 from strategies.coordinator.values import StaleCommit, WorkerFailure
 
 __all__ = ["ClusterBackend"]
+
 
 def _named(fn: Any, what: str) -> str:
     if isinstance(fn, RemoteFunction):
@@ -104,7 +105,8 @@ class ClusterBackend:
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         leaves = [x for _, x in flat]
         split = [
-            bool(x.ndim) and "ps" in self.strategy.parameter_layout(jax.tree_util.keystr(p), x).axes(0)
+            bool(x.ndim)
+            and "ps" in self.strategy.parameter_layout(jax.tree_util.keystr(p), x).axes(0)
             for p, x in flat
         ]
         message = {
@@ -123,7 +125,9 @@ class ClusterBackend:
         nodes = nodes_of_call(made)
         leaves, treedef = jax.tree.flatten(nnx.split(nodes)[1])
         reply = self._call_ps(self.role.num_workers, {"op": "state", "builder": made.builder})
-        pulled = self.transfers.pull(self.ps.address, reply["uuid"], [rpc.spec_of(x) for x in leaves])
+        pulled = self.transfers.pull(
+            self.ps.address, reply["uuid"], [rpc.spec_of(x) for x in leaves]
+        )
         placed = [jax.device_put(p, x.sharding) for p, x in zip(pulled, leaves, strict=True)]
         nnx.update(nodes, jax.tree.unflatten(treedef, placed))
         return nodes
@@ -131,7 +135,12 @@ class ClusterBackend:
     def checkpoint(self, op: str, node: Any, directory: str, step: int) -> None:
         """``op`` is ``"save"`` or ``"restore"``: the parameter server does it, layout-aware."""
         made = self._origin(node, f"{op}()")
-        message = {"op": op, "builder": made.builder, "directory": str(directory), "step": int(step)}
+        message = {
+            "op": op,
+            "builder": made.builder,
+            "directory": str(directory),
+            "step": int(step),
+        }
         self._call_ps(self.role.num_workers, message)
 
     @staticmethod
@@ -159,7 +168,9 @@ class ClusterBackend:
             )
         builder = builders.pop() if builders else ""
         nodes = structure(builder) if builder else ()
-        encoded = encode_value((tuple(args), dict(kwargs)), lambda v: self._origin(v, "schedule()").index)
+        encoded = encode_value(
+            (tuple(args), dict(kwargs)), lambda v: self._origin(v, "schedule()").index
+        )
         read = {"uuid": 0, "version": 0}
         if builder:
             modules = self._modules(encoded, nodes)
@@ -220,7 +231,9 @@ class ClusterBackend:
         if reply.get("kind") == "ps":  # "UNAVAILABLE: ...": the runtime names the lost ps
             raise RuntimeError(reply["error"])
         if reply.get("kind") == "peer":
-            raise WorkerFailure(f"worker {w} was lost before closure {cid} committed: {reply['error']}")
+            raise WorkerFailure(
+                f"worker {w} was lost before closure {cid} committed: {reply['error']}"
+            )
         raise RuntimeError(
             f"closure {cid} failed on worker {w}: {reply['error']}\n{reply.get('traceback', '')}"
         )
@@ -231,7 +244,9 @@ class ClusterBackend:
         except rpc.PeerGone as e:
             raise RuntimeError(f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}") from None
         if "error" in reply and reply.get("kind") != "peer":
-            raise RuntimeError(f"the parameter server failed on {message['op']!r}: {reply['error']}")
+            raise RuntimeError(
+                f"the parameter server failed on {message['op']!r}: {reply['error']}"
+            )
         return reply
 
     # ---------------------------------------------------------------- rejoins

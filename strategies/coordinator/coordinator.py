@@ -43,16 +43,17 @@ committed never runs again. Each worker runs one closure at a time and waits
 for its results before committing, which bounds the work queued on XLA (see
 JAX-NOTES on simulated CPU devices).
 
-Across hosts. Asynchronous mode runs in one controller process: the parameter
-group and every worker group must be devices of *this* process. JAX's
-multi-process model is multi-controller SPMD: every process must launch the
-same programs in the same order, and arrays move between processes only
-inside such programs (collectives). Independent per-worker schedules and
-point-to-point parameter reads from a remote host contradict that, and JAX has
-no remote-device RPC like TF's workers. So on a multi-host run use the
-synchronous ``ParameterServerStrategy`` (it spans processes), or run one
-coordinator per host over that host's devices (hosts then do not share
-parameters).
+Across processes and hosts. Under :func:`dtensor.runtime.join_cluster` (a job
+of ``chief``, ``ps`` and ``worker`` tasks, TF's names, every task running the
+same script) the chief's coordinator drives the other tasks instead of local
+devices (:mod:`strategies.coordinator.cluster`): the parameter server holds the
+variables, each worker task runs closures on its own devices, and the same
+four steps travel as JSON messages through the coordination service's
+key-value store, with arrays pulled point to point through
+``jax.experimental.transfer`` (no collective: JAX's multi-controller
+programs stay per task). Steps, dataset functions and model builders are
+named by ``@strategies.remote_function``, never pickled. A worker that dies
+fails its closure (run again elsewhere); a restarted one rejoins.
 """
 
 from __future__ import annotations

@@ -116,8 +116,14 @@ class ParameterService:
             args, kwargs = _abstract_args(m, structure(m["builder"]))
             plan = Plan(lookup(m["fn"]).fn, args, kwargs)
             step, shapes = plan.trace()
-            idx = [next(i for i, n in enumerate(structure(m["builder"])) if n is x) for x in plan.modules]
-            opt = [next(i for i, n in enumerate(structure(m["builder"])) if n is x) for x in plan.optimizers]
+            idx = [
+                next(i for i, n in enumerate(structure(m["builder"])) if n is x)
+                for x in plan.modules
+            ]
+            opt = [
+                next(i for i, n in enumerate(structure(m["builder"])) if n is x)
+                for x in plan.optimizers
+            ]
             traced = self._traces[key] = (step, shapes, idx, opt)
         step, shapes, idx, opt = traced
         if not (step.deltas or step.updates):
@@ -129,7 +135,9 @@ class ParameterService:
             modules = tuple(group.nodes[i] for i in idx)
             optimizers = tuple(group.nodes[i] for i in opt)
             mod_leaves = jax.tree.leaves(nnx.split(modules)[1])
-            replicated = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())
+            replicated = jax.sharding.NamedSharding(
+                self.mesh.jax_mesh, jax.sharding.PartitionSpec()
+            )
             delta_sh, update_sh = cs.targets_shardings(step, mod_leaves, replicated)
             deltas = jax.device_put(deltas, delta_sh)
             updates = [jax.device_put(u, sh) for u, sh in zip(updates, update_sh, strict=True)]
@@ -184,7 +192,9 @@ class WorkerService:
         self.lanes = 1
         devices = jax.local_devices()
         self.mesh = dtensor.create_mesh([("worker", len(devices))], devices=devices)
-        self.replicated = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())
+        self.replicated = jax.sharding.NamedSharding(
+            self.mesh.jax_mesh, jax.sharding.PartitionSpec()
+        )
         self.datasets: dict[int, Any] = {}
         self.steps: dict[Any, cs.WorkerStep] = {}
 
@@ -219,7 +229,10 @@ class WorkerService:
         try:
             pulled = self.transfers.pull(m["ps"], m["uuid"], [rpc.spec_of(x) for x in leaves])
         except rpc.PeerGone as e:
-            return {"error": f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}", "kind": "ps"}
+            return {
+                "error": f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}",
+                "kind": "ps",
+            }
         state = jax.tree.unflatten(treedef, [jax.device_put(x, self.replicated) for x in pulled])
         arrays = [jax.device_put(a, _batch_sharding(self.mesh, a)) for a in plan.arrays]
         key = (m["fn"], graphdef, tuple(plan.kinds), cs.array_signature(arrays), plan.treedef)

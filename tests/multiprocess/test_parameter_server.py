@@ -40,8 +40,12 @@ def single_process_result(steps: int) -> dict:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-             "XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+        env={
+            "PYTHONPATH": str(REPO),
+            "JAX_PLATFORMS": "cpu",
+            "PATH": "/usr/bin:/bin",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+        },
         check=True,
     )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
@@ -67,7 +71,14 @@ def test_tutorial_across_processes_reaches_the_single_process_loss() -> None:
 def test_a_killed_worker_loses_only_its_closure_and_a_restarted_one_rejoins(tmp_path) -> None:
     marker = str(tmp_path / "killed")
     result = run_ps(
-        "--steps", "60", "--kill-worker", "3", "--marker", marker, "--sleep", "0.15",
+        "--steps",
+        "60",
+        "--kill-worker",
+        "3",
+        "--marker",
+        marker,
+        "--sleep",
+        "0.15",
         restart_workers=1,
     )
     assert result.returncode == 0, report(result)

@@ -76,7 +76,11 @@ def dataset_fn(ctx):
         while True:
             for i in range(0, len(x), 16):
                 n += 1
-                if flags.kill_worker == n and ctx.input_pipeline_id == 0 and not os.path.exists(flags.marker):
+                if (
+                    flags.kill_worker == n
+                    and ctx.input_pipeline_id == 0
+                    and not os.path.exists(flags.marker)
+                ):
                     open(flags.marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-closure: read, not committed
                 time.sleep(flags.sleep)
@@ -108,7 +112,10 @@ def main() -> None:
     else:
         ds = coordinator.create_per_worker_dataset(dataset_fn)
     iterator = iter(ds)
-    losses = [coordinator.schedule(train_step, args=(model, optimizer, iterator)) for _ in range(flags.steps)]
+    losses = [
+        coordinator.schedule(train_step, args=(model, optimizer, iterator))
+        for _ in range(flags.steps)
+    ]
     coordinator.join()
     print(f"joined at {time.time():.1f}", flush=True)
     assert coordinator.done()
@@ -121,11 +128,22 @@ def main() -> None:
     final = float(((model(x) - y) ** 2).mean())
     stats = coordinator.stats()
     coordinator.close()
-    print("RESULT " + json.dumps({
-        "losses": values, "final": final, "completed": stats.completed,
-        "per_worker": stats.per_worker, "staleness": stats.staleness,
-        "retries": stats.retries, "bytes": stats.bytes_moved, "step": int(optimizer.step[...]),
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "losses": values,
+                "final": final,
+                "completed": stats.completed,
+                "per_worker": stats.per_worker,
+                "staleness": stats.staleness,
+                "retries": stats.retries,
+                "bytes": stats.bytes_moved,
+                "step": int(optimizer.step[...]),
+            }
+        ),
+        flush=True,
+    )
 
 
 if flags.local:
