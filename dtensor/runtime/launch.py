@@ -292,7 +292,8 @@ def launch(
     sinks: list[list[str]] = [[] for _ in range(num_processes)]
     pumps: list[threading.Thread] = []
     roles = _roles(num_processes, num_ps)
-    job.tolerate = frozenset(r for r, (kind, _) in enumerate(roles) if kind == "worker")
+    if num_ps is not None:  # a parameter-server job: a worker's failure is not the job's
+        job.tolerate = frozenset(r for r, (kind, _) in enumerate(roles) if kind == "worker")
     restarts = restart_workers
     failed = False
     timed_out = False
