@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+import dtensor.checkpoint
+from dtensor.checkpoint.processes import this_process_only
 from dtensor.core.tree import is_node
 from dtensor.runtime import rpc
 from dtensor.runtime.roles import TaskRole
@@ -75,7 +77,8 @@ class ClusterBackend:
         self.transfers = rpc.Transfers()
         self._on_worker_back = on_worker_back
         self._lock = threading.Lock()
-        self._builders: dict[str, int] = {}
+        self._calls: dict[str, int] = {}  # builder -> the call whose nodes the ps holds
+        self._builders: dict[str, Any] = {}  # builder -> one of those nodes
         self._traces: dict[Any, Any] = {}
         self.staleness: list[int] = []
         self.bytes_moved = 0
@@ -98,9 +101,10 @@ class ClusterBackend:
         """Send a builder's initial variables to the parameter server (once per builder call)."""
         made = self._origin(node, "schedule()")
         with self._lock:
-            if self._builders.get(made.builder) == made.call:
+            if self._calls.get(made.builder) == made.call:
                 return
-            self._builders[made.builder] = made.call
+            self._calls[made.builder] = made.call
+            self._builders[made.builder] = node
         state = nnx.split(nodes_of_call(made))[1]
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         leaves = [x for _, x in flat]
@@ -132,15 +136,41 @@ class ClusterBackend:
         nnx.update(nodes, jax.tree.unflatten(treedef, placed))
         return nodes
 
-    def checkpoint(self, op: str, node: Any, directory: str, step: int) -> None:
-        """``op`` is ``"save"`` or ``"restore"``: the parameter server does it, layout-aware."""
-        made = self._origin(node, f"{op}()")
-        message = {
-            "op": op,
-            "builder": made.builder,
-            "directory": str(directory),
-            "step": int(step),
-        }
+    def builders(self) -> list[tuple[str, Any]]:
+        """The builders whose variables the parameter server holds, with one of their nodes."""
+        with self._lock:
+            return sorted(self._builders.items())
+
+    def save(self, node: Any, directory: str, step: int) -> None:
+        """Checkpoint ``node``'s builder's variables, read from the parameter server, on the chief.
+
+        The chief writes alone (``this_process_only``: the other tasks take no
+        part) host copies of every variable and optimizer state, so any
+        layout can restore them (:func:`dtensor.checkpoint.restore`).
+        """
+        nodes = self.fetch_variables(node)
+        state = jax.device_get(nnx.to_pure_dict(nnx.split(nodes)[1]))
+        with this_process_only():
+            dtensor.checkpoint.save(directory, state, step=step)
+
+    def restore(self, node: Any, directory: str, step: int | None) -> None:
+        """Load a :meth:`save` into the chief's nodes and send them to the parameter server."""
+        made = self._origin(node, "restore()")
+        nodes = nodes_of_call(made)
+        state = nnx.split(nodes)[1]
+        with this_process_only():
+            restored = dtensor.checkpoint.restore(
+                directory, jax.device_get(nnx.to_pure_dict(state)), step=step
+            )
+        live = nnx.to_pure_dict(state)
+        placed = jax.tree.map(
+            lambda x, old: jax.device_put(np.asarray(x), old.sharding), restored, live
+        )
+        nnx.replace_by_pure_dict(state, placed)
+        nnx.update(nodes, state)
+        leaves = jax.tree.leaves(nnx.split(nodes)[1])
+        message = {"op": "load", "builder": made.builder, "address": self.transfers.address()}
+        message.update(uuid=self.transfers.offer(leaves))
         self._call_ps(self.role.num_workers, message)
 
     @staticmethod

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import inspect
 import itertools
 import threading
@@ -69,46 +68,29 @@ from typing import Any
 
 import jax
 
+import dtensor.checkpoint
 from dtensor import compat
 from dtensor.core.tree import is_node
 from dtensor.runtime.roles import current_role
 from strategies.coordinator import step as cs
 from strategies.coordinator.params import ParameterGroup
+from strategies.coordinator.support import (
+    CoordinatorStats,
+    _check_addressable,
+    _is_remote,
+    _is_worker_failure,
+    _resolve,
+)
 from strategies.coordinator.values import (
     PerWorkerDataset,
-    PerWorkerValues,
     RemoteDataset,
     RemoteValue,
     StaleCommit,
-    WorkerFailure,
 )
 from strategies.presets.parameter_server import ParameterServerStrategy
 from strategies.values import InputContext
 
 __all__ = ["ClusterCoordinator", "CoordinatorStats"]
-
-_FAILURE_CODES = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED")
-
-
-@dataclasses.dataclass(frozen=True)
-class CoordinatorStats:
-    """Counters of a coordinator: what ran where, and how stale its updates were.
-
-    Attributes:
-        completed: closures that finished successfully.
-        per_worker: successful closures per worker.
-        staleness: for each committed update, in commit order, how many other
-            updates were committed between its read of the parameters and its own.
-        retries: closures put back on the queue after a worker failure.
-        bytes_moved: across processes, the bytes the closures moved between
-            tasks (snapshots, changes, outputs); 0 in one process.
-    """
-
-    completed: int
-    per_worker: tuple[int, ...]
-    staleness: tuple[int, ...]
-    retries: int
-    bytes_moved: int = 0
 
 
 class _Closure:
@@ -190,6 +172,7 @@ class ClusterCoordinator:
             self._workers = strategy.worker_meshes(num_workers)
             _check_addressable(strategy.mesh.device_list)
             self._params = ParameterGroup(strategy, self._ps_mesh, max_staleness=max_staleness)
+        self._nodes: list[Any] = []  # the modules and optimizers scheduled so far
         self._cond = threading.Condition()  # the queue and the bookkeeping below
         self._queue: collections.deque[_Closure] = collections.deque()
         self._in_flight = 0
@@ -242,6 +225,8 @@ class ClusterCoordinator:
         for node in jax.tree.leaves((args, kwargs), is_leaf=is_node):
             if is_node(node):
                 (self._remote or self._params).place(node)
+                if not any(n is node for n in self._nodes):
+                    self._nodes.append(node)
         closure = _Closure(next(self._ids), fn, args, kwargs)
         with self._cond:
             self._queue.append(closure)
@@ -305,6 +290,53 @@ class ClusterCoordinator:
             for w in range(n)
         ]
         return PerWorkerDataset(tuple(made))
+
+    def fetch_variables(self) -> tuple[Any, ...]:
+        """Copy the parameter servers' current values into the scheduled modules and optimizers.
+
+        In one process they are the same objects (nothing to copy); across
+        processes the chief's objects hold their initial values until this
+        is called (for an evaluation or a summary on the chief). Returns them.
+        """
+        if self._remote is not None:
+            for node in self._nodes:
+                self._remote.fetch_variables(node)
+        return tuple(self._nodes)
+
+    def save(self, directory: str, step: int) -> None:
+        """Checkpoint the variables (and optimizer state) where they live, layout-aware.
+
+        Across processes the chief reads them from the parameter server and
+        writes them alone with :mod:`dtensor.checkpoint` (one directory per
+        builder under ``directory``; :meth:`restore` sends them back, and the
+        parameter server lays them out by its partitioner); in one process the
+        scheduled objects are saved as they are laid out. Wait
+        for :meth:`join` first for a checkpoint of a quiet moment.
+        """
+        if self._remote is not None:
+            for name, node in self._remote.builders():
+                self._remote.save(node, f"{directory}/{name}", step)
+            return
+        dtensor.checkpoint.save(directory, list(self._nodes), step=step)
+
+    def restore(self, directory: str, *nodes: Any, step: int | None = None) -> None:
+        """Load :meth:`save`'s checkpoint into the variables where they live (latest step by default).
+
+        ``nodes`` (the model, the optimizer) are placed first, as by a
+        ``schedule``; then every object the coordinator has seen is restored.
+        """
+        for node in nodes:
+            (self._remote or self._params).place(node)
+            if not any(n is node for n in self._nodes):
+                self._nodes.append(node)
+        if self._remote is not None:
+            for name, node in self._remote.builders():
+                self._remote.restore(node, f"{directory}/{name}", step)
+            return
+        with self._cond:
+            dtensor.checkpoint.restore(directory, list(self._nodes), step=step)
+            for node in self._nodes:
+                self._params.place(node)
 
     def set_worker_available(self, worker: int, available: bool) -> None:
         """Mark a worker as up or down (for tests, or a health check that saw its devices go).
@@ -436,43 +468,4 @@ class ClusterCoordinator:
             steps=self._steps[w],
             committable=lambda: self._available[w],
             what=f"closure {closure.id}",
-        )
-
-
-# ------------------------------------------------------------------- helpers
-def _is_remote(x: Any) -> bool:
-    return isinstance(x, RemoteValue)
-
-
-def _resolve(tree: Any, worker: int) -> Any:
-    def one(v: Any) -> Any:
-        if isinstance(v, PerWorkerValues):
-            return v.resolve(worker)
-        if isinstance(v, RemoteValue):
-            return v.get()
-        return v
-
-    return jax.tree.map(
-        one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or is_node(v)
-    )
-
-
-def _is_worker_failure(error: BaseException) -> bool:
-    if isinstance(error, WorkerFailure):
-        return True
-    if isinstance(error, jax.errors.JaxRuntimeError):
-        return str(error).split(":", 1)[0].strip() in _FAILURE_CODES
-    return False
-
-
-def _check_addressable(devices: Iterable[Any]) -> None:
-    here = jax.process_index()
-    remote = [d for d in devices if d.process_index != here]
-    if remote:
-        raise ValueError(
-            f"ClusterCoordinator needs every device in this process (process {here}), but "
-            f"{len(remote)} belong to other processes (e.g. {remote[0]!r} of process "
-            f"{remote[0].process_index}). The asynchronous mode is single-controller: build the "
-            "strategy over jax.local_devices(), or train across hosts with the synchronous "
-            "ParameterServerStrategy."
         )

@@ -166,21 +166,17 @@ class ParameterService:
             leaves = jax.tree.leaves(nnx.split(group.nodes)[1])
             return {"uuid": self.transfers.offer(leaves), "version": group.version}
 
-    def _save(self, m: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Replace a builder's variables by the chief's (a restored checkpoint), in our layouts."""
         group = self.groups[m["builder"]]
         with group.lock:
             state = nnx.split(group.nodes)[1]
-            dtensor.checkpoint.save(m["directory"], nnx.to_pure_dict(state), step=m["step"])
-            return {"version": group.version}
-
-    def _restore(self, m: dict[str, Any]) -> dict[str, Any]:
-        group = self.groups[m["builder"]]
-        with group.lock:
-            state = nnx.split(group.nodes)[1]
-            target = nnx.to_pure_dict(state)
-            restored = dtensor.checkpoint.restore(m["directory"], target, step=m["step"])
-            nnx.replace_by_pure_dict(state, restored)
-            nnx.update(group.nodes, state)
+            leaves, treedef = jax.tree.flatten(state)
+            pulled = self.transfers.pull(m["address"], m["uuid"], [rpc.spec_of(x) for x in leaves])
+            placed = [
+                jax.device_put(x, old.sharding) for x, old in zip(pulled, leaves, strict=True)
+            ]
+            nnx.update(group.nodes, jax.tree.unflatten(treedef, placed))
             return {"version": group.version}
 
 

@@ -26,7 +26,8 @@ parser.add_argument("--kill-worker", type=int, default=0, help="worker 0 dies at
 parser.add_argument("--marker", default="", help="a file: worker 0 dies only if it does not exist")
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds each batch takes to read")
 parser.add_argument("--die", default="")
-parser.add_argument("--save", default="")
+parser.add_argument("--save", default="", help="checkpoint the ps variables here at the end")
+parser.add_argument("--restore", default="", help="restore the ps variables from here first")
 parser.add_argument("--max-staleness", type=int, default=-1)
 parser.add_argument("--local", action="store_true", help="the single-process coordinator instead")
 flags = parser.parse_args()
@@ -112,6 +113,8 @@ def main() -> None:
     else:
         ds = coordinator.create_per_worker_dataset(dataset_fn)
     iterator = iter(ds)
+    if flags.restore:
+        coordinator.restore(flags.restore, model, optimizer)
     losses = [
         coordinator.schedule(train_step, args=(model, optimizer, iterator))
         for _ in range(flags.steps)
@@ -121,9 +124,9 @@ def main() -> None:
     assert coordinator.done()
     values = [float(v) for v in coordinator.fetch(losses)]
     if not flags.local:
-        coordinator._remote.fetch_variables(model)
-        if flags.save:
-            coordinator._remote.checkpoint("save", model, flags.save, 1)
+        coordinator.fetch_variables()
+    if flags.save:
+        coordinator.save(flags.save, step=int(optimizer.step[...]))
     x, y = data(7, 256)
     final = float(((model(x) - y) ** 2).mean())
     stats = coordinator.stats()
