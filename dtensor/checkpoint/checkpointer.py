@@ -163,7 +163,12 @@ class Checkpointer:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         solo = _multiprocessing(ocp)  # handlers of a save by this process alone need it too
         for item, save_args, restore_args, handler in (
-            (_STATE, ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
+            (
+                _STATE,
+                ocp.args.StandardSave,
+                ocp.args.StandardRestore,
+                ocp.StandardCheckpointHandler,
+            ),
             (_MANIFEST, ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
         ):
             instance = handler(**solo) if solo else None

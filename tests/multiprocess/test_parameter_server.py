@@ -99,6 +99,17 @@ def test_ps_death_stops_the_job_naming_it() -> None:
 
 
 @pytest.mark.slow
+def test_chief_death_stops_every_task_naming_it() -> None:
+    result = run_ps("--steps", "400", "--sleep", "0.05", "--die", "chief", timeout_s=60)
+    assert not result.timed_out, report(result)
+    assert result.returncodes[0] == 128 + 9, report(result)
+    for rank in (1, 2, 3):  # the ps and both workers: one line each, naming the chief
+        assert result.returncodes[rank] == EXIT_PEER_LOST, report(result)
+        lines = [ln for ln in result.outputs[rank].splitlines() if "lost process 0 (chief" in ln]
+        assert len(lines) == 1, report(result)
+
+
+@pytest.mark.slow
 def test_the_chief_checkpoints_and_resumes_the_ps_variables(tmp_path) -> None:
     directory = str(tmp_path / "ckpt")
     first = run_ps("--steps", "10", "--save", directory)

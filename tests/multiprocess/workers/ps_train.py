@@ -25,7 +25,7 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--kill-worker", type=int, default=0, help="worker 0 dies at its K-th batch")
 parser.add_argument("--marker", default="", help="a file: worker 0 dies only if it does not exist")
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds each batch takes to read")
-parser.add_argument("--die", default="")
+parser.add_argument("--die", default="", help="'ps' or 'chief': SIGKILL it 3 s into the run")
 parser.add_argument("--save", default="", help="checkpoint the ps variables here at the end")
 parser.add_argument("--restore", default="", help="restore the ps variables from here first")
 parser.add_argument("--max-staleness", type=int, default=-1)
@@ -108,6 +108,8 @@ def main() -> None:
         model, optimizer = build()
     bound = None if flags.max_staleness < 0 else flags.max_staleness
     coordinator = strategies.ClusterCoordinator(strategy, max_staleness=bound)
+    if flags.die == "chief":
+        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     if flags.local:
         ds = coordinator.create_per_worker_dataset(dataset_fn.fn)
     else:
