@@ -35,7 +35,14 @@ from dtensor.core.tree import is_node
 from dtensor.runtime import rpc
 from dtensor.runtime.roles import TaskRole
 from dtensor.runtime.serve import stop_services
-from strategies.coordinator.plan import Plan, encode_value, resolve_value, structure
+from strategies.coordinator.plan import (
+    Plan,
+    encode_value,
+    part,
+    resolve_value,
+    split_across,
+    structure,
+)
 from strategies.coordinator.remote import RemoteFunction, lookup, nodes_of_call, origin
 from strategies.coordinator.values import StaleCommit, WorkerFailure
 
@@ -66,26 +73,26 @@ class ClusterBackend:
         on_worker_back: Any,
         join_timeout_s: float = 120,
     ) -> None:
-        if role.num_ps != 1:
-            raise ValueError(
-                f"ClusterCoordinator across processes supports one ps task for now; the job has "
-                f"num_ps={role.num_ps}. Start it with --ps 1 (the ps task splits the variables "
-                "over its own devices by the partitioner)."
-            )
         self.strategy, self.role, self.client = strategy, role, client
         self.max_staleness, self.worker_timeout_s = max_staleness, worker_timeout_s
         self.transfers = rpc.Transfers()
         self._on_worker_back = on_worker_back
         self._lock = threading.Lock()
+        self._splits: dict[str, list[bool]] = {}  # builder -> which leaves the partitioner splits
         self._calls: dict[str, int] = {}  # builder -> the call whose nodes the ps holds
         self._builders: dict[str, Any] = {}  # builder -> one of those nodes
         self._traces: dict[Any, Any] = {}
         self.staleness: list[int] = []
         self.bytes_moved = 0
-        self.ps = rpc.TaskInfo.wait(client, role.process_of("ps", 0), join_timeout_s)
+        self._version = 0  # commits so far, in the order every ps applied them
+        self._commit_lock = threading.Lock()  # reads and applies across all ps: consistent
+        self.ps = [
+            rpc.TaskInfo.wait(client, role.process_of("ps", k), join_timeout_s)
+            for k in range(role.num_ps)
+        ]
         lanes = range(role.num_workers + 1)  # one per worker thread, the last for control
-        self._ps_lanes = [rpc.Channel(client, self.ps, lane) for lane in lanes]
-        self._ps_watch = rpc.Watch(client, self.ps, 10 * worker_timeout_s)
+        self._ps_lanes = [[rpc.Channel(client, ps, lane) for lane in lanes] for ps in self.ps]
+        self._ps_watch = [rpc.Watch(client, ps, 10 * worker_timeout_s) for ps in self.ps]
         self.workers = [
             rpc.TaskInfo.wait(client, role.process_of("worker", w), join_timeout_s)
             for w in range(role.num_workers)
@@ -105,34 +112,51 @@ class ClusterBackend:
                 return
             self._calls[made.builder] = made.call
             self._builders[made.builder] = node
-        state = nnx.split(nodes_of_call(made))[1]
-        flat = jax.tree_util.tree_flatten_with_path(state)[0]
-        leaves = [x for _, x in flat]
+        leaves = jax.tree.leaves(nnx.split(nodes_of_call(made))[1])
+        partitioner = getattr(self.strategy, "variable_partitioner", None)
         split = [
-            bool(x.ndim)
-            and "ps" in self.strategy.parameter_layout(jax.tree_util.keystr(p), x).axes(0)
-            for p, x in flat
+            partitioner is not None
+            and bool(x.ndim)
+            and partitioner.num_shards(tuple(x.shape), x.dtype) > 1
+            for x in leaves
         ]
-        message = {
-            "op": "init",
-            "builder": made.builder,
-            "address": self.transfers.address(),
-            "uuid": self.transfers.offer(leaves),
-            "specs": [rpc.spec_of(x) for x in leaves],
-            "split": split,
-        }
-        self._call_ps(self.role.num_workers, message)
+        self._send_parts("init", made.builder, leaves, split=split)
+
+    def _send_parts(self, op: str, builder: str, leaves: list[Any], **extra: Any) -> None:
+        """Offer each ps task its rows of ``leaves`` (as split at ``init``) and send it ``op``."""
+        n = self.role.num_ps
+        across = self._across(builder, leaves, extra.get("split"))
+        for k in range(n):
+            mine = [part(x, a, k, n) for x, a in zip(leaves, across, strict=True)]
+            message: dict[str, Any] = {"op": op, "builder": builder}
+            message.update(address=self.transfers.address())
+            message.update(uuid=self.transfers.offer(mine), specs=[rpc.spec_of(x) for x in mine])
+            self._call_ps(k, self.role.num_workers, {**message, **extra})
+
+    def _across(self, builder: str, leaves: list[Any], split: list[bool] | None) -> list[bool]:
+        if split is not None:
+            self._splits[builder] = split
+        split = self._splits[builder]
+        n = self.role.num_ps
+        return [split_across(tuple(x.shape), s, n) for x, s in zip(leaves, split, strict=True)]
 
     def fetch_variables(self, node: Any) -> tuple[Any, ...]:
-        """Copy the parameter server's current values into the chief's nodes of ``node``'s builder."""
+        """Copy the parameter servers' current values into the chief's nodes of ``node``'s builder."""
         made = self._origin(node, "fetch_variables()")
         nodes = nodes_of_call(made)
         leaves, treedef = jax.tree.flatten(nnx.split(nodes)[1])
-        reply = self._call_ps(self.role.num_workers, {"op": "state", "builder": made.builder})
-        pulled = self.transfers.pull(
-            self.ps.address, reply["uuid"], [rpc.spec_of(x) for x in leaves]
-        )
-        placed = [jax.device_put(p, x.sharding) for p, x in zip(pulled, leaves, strict=True)]
+        across = self._across(made.builder, leaves, None)
+        parts = []
+        for k in range(self.role.num_ps):
+            reply = self._call_ps(
+                k, self.role.num_workers, {"op": "state", "builder": made.builder}
+            )
+            parts.append(self.transfers.pull(self.ps[k].address, reply["uuid"], reply["specs"]))
+        joined = [
+            np.concatenate([np.asarray(p[i]) for p in parts]) if a else parts[0][i]
+            for i, a in enumerate(across)
+        ]
+        placed = [jax.device_put(p, x.sharding) for p, x in zip(joined, leaves, strict=True)]
         nnx.update(nodes, jax.tree.unflatten(treedef, placed))
         return nodes
 
@@ -168,10 +192,7 @@ class ClusterBackend:
         )
         nnx.replace_by_pure_dict(state, placed)
         nnx.update(nodes, state)
-        leaves = jax.tree.leaves(nnx.split(nodes)[1])
-        message = {"op": "load", "builder": made.builder, "address": self.transfers.address()}
-        message.update(uuid=self.transfers.offer(leaves))
-        self._call_ps(self.role.num_workers, message)
+        self._send_parts("load", made.builder, jax.tree.leaves(nnx.split(nodes)[1]))
 
     @staticmethod
     def _origin(node: Any, what: str) -> Any:
@@ -201,12 +222,16 @@ class ClusterBackend:
         encoded = encode_value(
             (tuple(args), dict(kwargs)), lambda v: self._origin(v, "schedule()").index
         )
-        read = {"uuid": 0, "version": 0}
+        snapshots, version = [], self._version
         if builder:
-            modules = self._modules(encoded, nodes)
-            read = self._call_ps(w, {"op": "read", "builder": builder, "modules": modules})
+            read = {"op": "read", "builder": builder, "modules": self._modules(encoded, nodes)}
+            with self._commit_lock:  # every ps at the same commit: a consistent snapshot
+                version = self._version
+                for k, ps in enumerate(self.ps):
+                    reply = self._call_ps(k, w, read)
+                    snapshots.append({"address": ps.address, **reply})
         message = {"op": "run", "closure": cid, "fn": name, "builder": builder, "args": encoded}
-        message.update(ps=self.ps.address, uuid=read["uuid"])
+        message.update(snapshots=snapshots)
         info = self.workers[w]
         try:
             ran = self._channels[w].call(message, self._watches[w].alive)
@@ -221,22 +246,44 @@ class ClusterBackend:
             raise failure from None
         moved = snapshot_bytes + _nbytes(shapes)
         if builder and (step.deltas or step.updates):
-            message = {"op": "commit", "closure": cid, "fn": name, "builder": builder}
-            message.update(args=ran["args"], address=info.address, uuid=ran["changes"])
-            message.update(read_version=read["version"], max_staleness=self.max_staleness)
-            commit = self._call_ps(w, message)
-            self._check(commit, w, cid)
-            if commit.get("stale"):
-                raise StaleCommit(
-                    f"closure {cid} read parameters {commit['staleness']} commits old, more than "
-                    f"max_staleness={self.max_staleness}: it runs again"
-                )
-            if not commit.get("duplicate"):
-                with self._lock:
-                    self.staleness.append(int(commit["staleness"]))
+            self._commit(w, cid, name, builder, ran, info, version)
         with self._lock:
             self.bytes_moved += int(moved)
         return jax.tree.unflatten(out_tree, outs)
+
+    def _commit(
+        self,
+        w: int,
+        cid: int,
+        name: str,
+        builder: str,
+        ran: dict[str, Any],
+        info: Any,
+        version: int,
+    ) -> None:
+        """Every ps pulls its rows of the changes (staged), then all apply them in one order."""
+        base = {"closure": cid, "fn": name, "builder": builder, "args": ran["args"]}
+        for k in range(self.role.num_ps):
+            staged = self._call_ps(
+                k, w, {"op": "stage", **base, "address": info.address, "uuid": ran["changes"][k]}
+            )
+            self._check(staged, w, cid)
+        with self._commit_lock:
+            staleness = self._version - version
+            if self.max_staleness is not None and staleness > self.max_staleness:
+                for k in range(self.role.num_ps):
+                    self._call_ps(k, w, {"op": "drop", **base})
+                raise StaleCommit(
+                    f"closure {cid} read parameters {staleness} commits old, more than "
+                    f"max_staleness={self.max_staleness}: it runs again"
+                )
+            replies = [
+                self._call_ps(k, w, {"op": "apply", **base}) for k in range(self.role.num_ps)
+            ]
+            if not any(r.get("duplicate") for r in replies):
+                self._version += 1
+                with self._lock:
+                    self.staleness.append(staleness)
 
     def _modules(self, encoded: Any, nodes: tuple[Any, ...]) -> list[int]:
         args, kwargs = resolve_value(encoded, nodes, lambda *_: None)
@@ -268,11 +315,13 @@ class ClusterBackend:
             f"closure {cid} failed on worker {w}: {reply['error']}\n{reply.get('traceback', '')}"
         )
 
-    def _call_ps(self, lane: int, message: dict[str, Any]) -> dict[str, Any]:
+    def _call_ps(self, k: int, lane: int, message: dict[str, Any]) -> dict[str, Any]:
         try:
-            reply = self._ps_lanes[lane].call(message, self._ps_watch.alive)
+            reply = self._ps_lanes[k][lane].call(message, self._ps_watch[k].alive)
         except rpc.PeerGone as e:
-            raise RuntimeError(f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}") from None
+            raise RuntimeError(
+                f"UNAVAILABLE: the parameter server (ps {k}) was lost: {e}"
+            ) from None
         if "error" in reply and reply.get("kind") != "peer":
             raise RuntimeError(
                 f"the parameter server failed on {message['op']!r}: {reply['error']}"

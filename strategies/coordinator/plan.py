@@ -130,3 +130,39 @@ def _index_of(items: list[Any], v: Any, what: str) -> tuple[str, int]:
 def node_indices(plan: Plan, nodes: tuple[Any, ...]) -> list[int]:
     """Where each of the plan's modules sits in the builder's result."""
     return [next(i for i, n in enumerate(nodes) if n is m) for m in plan.modules]
+
+
+# ----------------------------------------------------- variables over several ps tasks
+def part(x: Any, split: bool, k: int, num_ps: int) -> Any:
+    """The rows of ``x`` that ps task ``k`` of ``num_ps`` holds (all of it when not split)."""
+    if not split:
+        return x
+    n = x.shape[0] // num_ps
+    return x[k * n : (k + 1) * n]
+
+
+def part_spec(spec: list[Any], split: bool, num_ps: int) -> list[Any]:
+    """:func:`part`'s ``[shape, dtype]``."""
+    if not split:
+        return spec
+    shape = list(spec[0])
+    return [[shape[0] // num_ps, *shape[1:]], spec[1]]
+
+
+def splits_of(local: list[Any], full: list[Any]) -> list[bool]:
+    """Which leaves a ps task holds only some rows of (its shape differs from the full one)."""
+    return [tuple(a.shape) != tuple(b.shape) for a, b in zip(local, full, strict=True)]
+
+
+def split_across(shape: tuple[int, ...], partitioned: bool, num_ps: int) -> bool:
+    """Whether a variable the partitioner splits is split across ``num_ps`` ps tasks (dim 0)."""
+    return partitioned and num_ps > 1 and len(shape) > 0 and shape[0] % num_ps == 0
+
+
+def change_splits(step: cs.WorkerStep, mod_split: list[bool]) -> list[bool]:
+    """For each leaf of a worker step's ``(deltas, updates)``, whether it is split by rows."""
+    out = [mod_split[i] for i, _ in step.deltas]
+    for u in step.updates:
+        out += [mod_split[t] if t >= 0 else False for t in u.targets]
+        out += [False] * u.kwargs_treedef.num_leaves
+    return out

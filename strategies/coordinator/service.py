@@ -30,7 +30,17 @@ from dtensor.runtime import rpc
 from dtensor.runtime.roles import TaskRole
 from dtensor.runtime.serve import register_service
 from strategies.coordinator import step as cs
-from strategies.coordinator.plan import Plan, abstract_of, resolve_value, structure
+from strategies.coordinator.plan import (
+    Plan,
+    abstract_of,
+    change_splits,
+    part,
+    part_spec,
+    resolve_value,
+    split_across,
+    splits_of,
+    structure,
+)
 from strategies.coordinator.remote import lookup
 from strategies.values import InputContext
 
@@ -54,6 +64,7 @@ class _Group:
         self.version = 0
         self.staleness: list[int] = []
         self.committed: set[int] = set()
+        self.staged: dict[int, Any] = {}  # closure -> its pulled changes, until applied
         self.applies: dict[Any, Any] = {}
 
 
@@ -80,12 +91,14 @@ class ParameterService:
         nodes = structure(m["builder"])
         graphdef, abstract = nnx.split(nodes)
         leaves, treedef = jax.tree.flatten(abstract)
-        specs = [rpc.spec_of(x) for x in leaves]
+        n, k = self.role.num_ps, self.role.task_index
+        across = [split_across(x.shape, s, n) for x, s in zip(leaves, m["split"], strict=True)]
+        specs = [part_spec(rpc.spec_of(x), a, n) for x, a in zip(leaves, across, strict=True)]
         if specs != m["specs"]:
             raise ValueError(
-                f"builder {m['builder']!r} made different variables on the chief and on ps "
-                f"{self.role.task_index} ({len(m['specs'])} vs {len(specs)} arrays, or other "
-                "shapes). The builder must be deterministic: build the same model on every task."
+                f"builder {m['builder']!r} made different variables on the chief and on ps {k} "
+                f"({len(m['specs'])} vs {len(specs)} arrays, or other shapes). The builder must "
+                "be deterministic: build the same model on every task."
             )
         pulled = self.transfers.pull(m["address"], m["uuid"], specs)
         placed = [
@@ -99,39 +112,59 @@ class ParameterService:
     def _read(self, m: dict[str, Any]) -> dict[str, Any]:
         group = self.groups[m["builder"]]
         with group.lock:
-            version = group.version
             modules = tuple(group.nodes[i] for i in m["modules"])
             leaves = jax.tree.leaves(nnx.split(modules)[1])
             uuid = self.transfers.offer(leaves)
-        return {"uuid": uuid, "version": version}
+        return {"uuid": uuid, "specs": [rpc.spec_of(x) for x in leaves]}
 
-    def _commit(self, m: dict[str, Any]) -> dict[str, Any]:
-        group = self.groups[m["builder"]]
-        with group.lock:
-            if m["closure"] in group.committed:
-                return {"duplicate": True, "staleness": 0}
+    def _trace(self, m: dict[str, Any]) -> Any:
         key = (m["fn"], repr(m["args"]))
         traced = self._traces.get(key)
         if traced is None:
-            args, kwargs = _abstract_args(m, structure(m["builder"]))
+            nodes = structure(m["builder"])
+            args, kwargs = _abstract_args(m, nodes)
             plan = Plan(lookup(m["fn"]).fn, args, kwargs)
             step, shapes = plan.trace()
-            idx = [
-                next(i for i, n in enumerate(structure(m["builder"])) if n is x)
-                for x in plan.modules
-            ]
-            opt = [
-                next(i for i, n in enumerate(structure(m["builder"])) if n is x)
-                for x in plan.optimizers
-            ]
-            traced = self._traces[key] = (step, shapes, idx, opt)
-        step, shapes, idx, opt = traced
+            idx = [next(i for i, n in enumerate(nodes) if n is x) for x in plan.modules]
+            opt = [next(i for i, n in enumerate(nodes) if n is x) for x in plan.optimizers]
+            full = jax.tree.leaves(plan.module_state()[1])
+            traced = self._traces[key] = (key, step, shapes, idx, opt, full)
+        return traced
+
+    def _stage(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Pull a closure's changes (this task's rows of them) from its worker; apply later."""
+        group = self.groups[m["builder"]]
+        key, step, shapes, idx, opt, full = self._trace(m)
         if not (step.deltas or step.updates):
-            return {"staleness": 0, "version": group.version}
+            return {}
+        with group.lock:
+            modules = tuple(group.nodes[i] for i in idx)
+            mod_leaves = jax.tree.leaves(nnx.split(modules)[1])
+        splits = change_splits(step, splits_of(mod_leaves, full))
         flat, treedef = jax.tree.flatten((shapes[0], shapes[1]))
-        pulled = self.transfers.pull(m["address"], m["uuid"], [rpc.spec_of(x) for x in flat])
+        n = self.role.num_ps
+        specs = [part_spec(rpc.spec_of(x), s, n) for x, s in zip(flat, splits, strict=True)]
+        pulled = self.transfers.pull(m["address"], m["uuid"], specs)
         deltas, updates = jax.tree.unflatten(treedef, pulled)
         with group.lock:
+            group.staged[m["closure"]] = (key, step, idx, opt, deltas, updates)
+        return {}
+
+    def _drop(self, m: dict[str, Any]) -> dict[str, Any]:
+        with self.groups[m["builder"]].lock:
+            self.groups[m["builder"]].staged.pop(m["closure"], None)
+        return {}
+
+    def _apply(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Apply a staged closure, in the order the chief sends these (the commit order)."""
+        group = self.groups[m["builder"]]
+        with group.lock:
+            if m["closure"] in group.committed:
+                return {"duplicate": True}
+            staged = group.staged.pop(m["closure"], None)
+            if staged is None:
+                return {}
+            key, step, idx, opt, deltas, updates = staged
             modules = tuple(group.nodes[i] for i in idx)
             optimizers = tuple(group.nodes[i] for i in opt)
             mod_leaves = jax.tree.leaves(nnx.split(modules)[1])
@@ -141,30 +174,25 @@ class ParameterService:
             delta_sh, update_sh = cs.targets_shardings(step, mod_leaves, replicated)
             deltas = jax.device_put(deltas, delta_sh)
             updates = [jax.device_put(u, sh) for u, sh in zip(updates, update_sh, strict=True)]
-            staleness = group.version - int(m["read_version"])
-            bound = m.get("max_staleness")
-            if bound is not None and staleness > bound:
-                return {"stale": True, "staleness": staleness}
             nodes = (*modules, *optimizers)
             ps_graphdef, ps_state = nnx.split(nodes)
-            sig = tuple(x.sharding for x in jax.tree.leaves(ps_state))
-            akey = (key, sig)
+            akey = (key, tuple(x.sharding for x in jax.tree.leaves(ps_state)))
             apply = group.applies.get(akey)
             if apply is None:
                 apply = cs.compile_apply(ps_graphdef, len(modules), ps_state, step, deltas, updates)
                 group.applies[akey] = apply
             nnx.update(nodes, apply(ps_state, deltas, updates))
-            group.staleness.append(staleness)
             group.committed.add(m["closure"])
             group.version += 1
-            return {"staleness": staleness, "version": group.version}
+            return {"version": group.version}
 
     def _state(self, m: dict[str, Any]) -> dict[str, Any]:
         """Offer every variable of a builder's nodes (the chief's ``fetch_variables``)."""
         group = self.groups[m["builder"]]
         with group.lock:
             leaves = jax.tree.leaves(nnx.split(group.nodes)[1])
-            return {"uuid": self.transfers.offer(leaves), "version": group.version}
+            specs = [rpc.spec_of(x) for x in leaves]
+            return {"uuid": self.transfers.offer(leaves), "specs": specs}
 
     def _load(self, m: dict[str, Any]) -> dict[str, Any]:
         """Replace a builder's variables by the chief's (a restored checkpoint), in our layouts."""
@@ -221,15 +249,20 @@ class WorkerService:
         args, kwargs = resolve_value(m["args"], nodes, self._next)
         plan = Plan(lookup(m["fn"]).fn, args, kwargs)
         graphdef, abstract = plan.module_state()
-        leaves, treedef = jax.tree.flatten(abstract)
-        try:
-            pulled = self.transfers.pull(m["ps"], m["uuid"], [rpc.spec_of(x) for x in leaves])
-        except rpc.PeerGone as e:
-            return {
-                "error": f"UNAVAILABLE: the parameter server (ps 0) was lost: {e}",
-                "kind": "ps",
-            }
-        state = jax.tree.unflatten(treedef, [jax.device_put(x, self.replicated) for x in pulled])
+        full, treedef = jax.tree.flatten(abstract)
+        parts = []
+        for snap in m["snapshots"]:  # one per ps task: its rows of split variables, all of the rest
+            try:
+                parts.append(self.transfers.pull(snap["address"], snap["uuid"], snap["specs"]))
+            except rpc.PeerGone as e:
+                error = f"UNAVAILABLE: a parameter server ({snap['address']}) was lost: {e}"
+                return {"error": error, "kind": "ps"}
+        mod_split = splits_of(parts[0], full)
+        joined = [
+            jax.numpy.concatenate([p[i] for p in parts]) if s else parts[0][i]
+            for i, s in enumerate(mod_split)
+        ]
+        state = jax.tree.unflatten(treedef, [jax.device_put(x, self.replicated) for x in joined])
         arrays = [jax.device_put(a, _batch_sharding(self.mesh, a)) for a in plan.arrays]
         key = (m["fn"], graphdef, tuple(plan.kinds), cs.array_signature(arrays), plan.treedef)
         step = self.steps.get(key)
@@ -240,9 +273,15 @@ class WorkerService:
         deltas, updates, out = step.compiled(state, arrays)
         changes = jax.tree.leaves((deltas, updates))
         jax.block_until_ready((changes, out))
+        splits = change_splits(step, mod_split)
+        n = len(parts)
+        offers = [
+            self.transfers.offer([part(x, s, k, n) for x, s in zip(changes, splits, strict=True)])
+            for k in range(n)
+        ]
         return {
             "args": abstract_of((args, kwargs), nodes),
-            "changes": self.transfers.offer(changes),
+            "changes": offers,
             "out": self.transfers.offer(jax.tree.leaves(out)),
         }
 

@@ -29,6 +29,8 @@ parser.add_argument("--die", default="", help="'ps' or 'chief': SIGKILL it 3 s i
 parser.add_argument("--save", default="", help="checkpoint the ps variables here at the end")
 parser.add_argument("--restore", default="", help="restore the ps variables from here first")
 parser.add_argument("--max-staleness", type=int, default=-1)
+parser.add_argument("--partition", action="store_true", help="split the kernel in 2 shards")
+parser.add_argument("--adam", action="store_true", help="Adam (state split with the kernel)")
 parser.add_argument("--local", action="store_true", help="the single-process coordinator instead")
 flags = parser.parse_args()
 
@@ -59,7 +61,8 @@ class Regression(nnx.Module):
 @strategies.remote_function
 def build():
     model = Regression(nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    tx = optax.adam(0.05) if flags.adam else optax.sgd(0.1)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def data(seed: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +106,8 @@ def train_step(model, optimizer, batch):
 
 
 def main() -> None:
-    strategy = strategies.ParameterServerStrategy(num_ps=1)
+    partitioner = strategies.FixedShardsPartitioner(2) if flags.partition else None
+    strategy = strategies.ParameterServerStrategy(partitioner)
     with strategy.scope():
         model, optimizer = build()
     bound = None if flags.max_staleness < 0 else flags.max_staleness
