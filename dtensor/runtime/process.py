@@ -195,8 +195,7 @@ def initialize(
             waiting, with :data:`EXIT_PEER_LOST`, as soon as one of them is
             lost.
         summary: print the cluster table on process 0.
-        tolerate: processes whose loss does not stop this one (the workers of
-            a parameter-server job, :func:`dtensor.runtime.join_cluster`).
+        tolerate: processes whose loss does not stop this one (the workers of a ps job).
         names: how messages name processes (``{1: "ps 0"}``).
 
     Returns:
@@ -254,9 +253,9 @@ def initialize(
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
-            tolerate=tuple(tolerate),
-            names=dict(names or {}),
         )
+        if _state.monitor is not None:  # before any loss can matter: no step has run yet
+            _state.monitor.tolerate, _state.monitor.names = frozenset(tolerate), dict(names or {})
         _state.initialized, _state.spec = True, spec
         _state.shutdown_timeout_s = shutdown_timeout_s
         _state.previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
@@ -320,13 +319,7 @@ def _check_port_free(spec: ClusterSpec) -> None:
 
 
 def _connect(
-    spec: ClusterSpec,
-    *,
-    timeout_s: float,
-    heartbeat_timeout_s: float,
-    shutdown_timeout_s: float,
-    tolerate: tuple[int, ...] = (),
-    names: dict[int, str] | None = None,
+    spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
 ) -> ClusterSpec:
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
@@ -380,7 +373,6 @@ def _connect(
         spec.coordinator_address,
         heartbeat_timeout_s,
     )
-    monitor.tolerate, monitor.names = frozenset(tolerate), dict(names or {})
     _state.monitor = monitor
     monitor.start()
     peers.install_abort_hook(monitor)
@@ -477,23 +469,9 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
         ) from None
 
 
-def end_task(status: int = 0) -> None:
-    """End a serving task of a parameter-server job now (TF's ``server.join()`` never returns).
-
-    It tells the others it finished (the chief waits for that before it
-    stops the coordination service) and exits at once, without JAX's
-    shutdown RPC: a recoverable task still disconnecting when the chief shuts
-    the service down would otherwise abort.
-    """
-    import logging
-
-    with _lock:
-        if _state.monitor is not None:
-            _state.monitor.finish(0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(status)
+def peer_monitor() -> peers.PeerMonitor | None:
+    """This process's watch on the others (``None`` outside a multi-process job)."""
+    return _state.monitor
 
 
 def shutdown() -> None:

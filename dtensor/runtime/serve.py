@@ -11,6 +11,9 @@ with ``lanes`` (how many ordered conversations it answers at once) and
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 
 from dtensor import compat
 from dtensor.runtime import rpc
-from dtensor.runtime.process import end_task
+from dtensor.runtime.process import peer_monitor
 from dtensor.runtime.roles import TaskRole, current_role
 
 __all__ = ["Service", "register_service", "serve"]
@@ -129,6 +132,23 @@ def serve() -> None:
     for t in threads:
         t.join(timeout=5)
     end_task(0)
+
+
+def end_task(status: int = 0) -> None:
+    """End a serving task now (TF's ``server.join()`` never returns).
+
+    It tells the others it finished (the chief waits for that before it
+    stops the coordination service) and exits at once, without JAX's
+    shutdown RPC: a recoverable task still disconnecting when the chief shuts
+    the service down would otherwise abort.
+    """
+    monitor = peer_monitor()
+    if monitor is not None:
+        monitor.finish(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def stop_services(client: Any) -> None:
