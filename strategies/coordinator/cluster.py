@@ -14,6 +14,13 @@ service's key-value store, arrays through ``jax.experimental.transfer``):
    closure, with the number of commits since its read as the staleness
    (above ``max_staleness`` the commit is refused and the closure runs again).
 
+With several ``ps`` tasks, a variable the partitioner splits is split by
+rows over them (its optimizer state with it) and the others are kept whole on
+each: step 1 asks every ps (the worker joins the rows), and step 4 first has
+every ps pull its rows of the changes (``stage``), then, under one lock,
+every ps apply them (``apply``), so reads see every ps at the same commit and
+every ps applies the commits in the same order.
+
 A worker that dies (its heartbeat stops, or it comes back as a new
 incarnation) fails its closure with :class:`WorkerFailure` before step 4
 completes; the coordinator runs it again on another worker. A worker that
