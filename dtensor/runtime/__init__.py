@@ -14,12 +14,14 @@ from dtensor.runtime.process import shutdown as shutdown
 from dtensor.runtime.roles import TaskRole as TaskRole
 from dtensor.runtime.roles import current_role as current_role
 from dtensor.runtime.roles import join_cluster as join_cluster
+from dtensor.runtime.serve import Server as Server
 from dtensor.runtime.serve import serve as serve
 
 __all__ = [
     "ClusterConfigError",
     "ClusterSpec",
     "DistributedRuntimeError",
+    "Server",
     "TaskRole",
     "barrier",
     "client_id",

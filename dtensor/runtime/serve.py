@@ -24,7 +24,7 @@ from dtensor.runtime import rpc
 from dtensor.runtime.process import peer_monitor
 from dtensor.runtime.roles import TaskRole, current_role
 
-__all__ = ["Service", "register_service", "serve"]
+__all__ = ["Server", "Service", "register_service", "registered_services", "serve"]
 
 
 class Service(Protocol):
@@ -42,11 +42,32 @@ def register_service(
     """Say what ``serve()`` runs for ``task_type`` (``factory(role, client, transfers)``).
 
     Examples:
-        >>> from dtensor.runtime.serve import register_service, _services
-        >>> "ps" in _services or True
-        True
+        >>> import strategies  # registers the parameter server and the worker
+        >>> from dtensor.runtime.serve import registered_services
+        >>> registered_services()
+        ['ps', 'worker']
     """
     _services[task_type] = factory
+
+
+def registered_services() -> list[str]:
+    """The task types :func:`serve` knows what to do for."""
+    return sorted(_services)
+
+
+class Server:
+    """TF's spelling: ``tf.distribute.Server(...).join()`` is ``Server().join()`` here.
+
+    Examples:
+        >>> from dtensor.runtime.serve import Server
+        >>> Server().join()  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        RuntimeError: serve() outside a parameter-server job ...
+    """
+
+    def join(self) -> None:
+        """Serve this task's role until the chief ends the job (see :func:`serve`)."""
+        serve()
 
 
 def _guarded(service: Service) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -48,3 +48,50 @@ def test_errors() -> None:
         encode_value(object(), lambda v: 0)
     with pytest.raises(TypeError, match="next\\(\\) on a per-worker iterator of a multi-process"):
         next(RemoteIterator(0, "ds", 2))
+
+
+def test_names_the_other_tasks_cannot_find_are_refused() -> None:
+    from strategies.coordinator.cluster import ClusterBackend, _named
+
+    with pytest.raises(TypeError, match="a function the other tasks cannot find"):
+        _named(lambda m: m, "schedule()")
+    with pytest.raises(TypeError, match="that no registered builder made"):
+        ClusterBackend._origin(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), "schedule()")
+
+
+def test_serve_and_the_coordinator_outside_their_roles() -> None:
+    import dtensor.runtime
+
+    with pytest.raises(RuntimeError, match="serve\\(\\) outside a parameter-server job"):
+        dtensor.runtime.serve()
+    with pytest.raises(RuntimeError, match="outside a parameter-server job"):
+        dtensor.runtime.Server().join()
+
+
+def test_single_process_save_and_restore(tmp_path) -> None:
+    import optax
+
+    strategy = strategies.ParameterServerStrategy(num_ps=2)
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    x = np.ones((4, 3), np.float32)
+
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - 1.0) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with strategies.ClusterCoordinator(strategy, num_workers=2) as coordinator:
+        for _ in range(3):
+            coordinator.schedule(step, args=(model, optimizer, x))
+        coordinator.join()
+        coordinator.save(str(tmp_path), step=3)
+        saved = np.asarray(model.kernel[...])
+        for _ in range(2):
+            coordinator.schedule(step, args=(model, optimizer, x))
+        coordinator.join()
+        assert int(optimizer.step[...]) == 5
+        coordinator.restore(str(tmp_path))
+        assert coordinator.fetch_variables() == (model, optimizer)
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), saved)
+    assert int(optimizer.step[...]) == 3
