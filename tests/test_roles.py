@@ -67,3 +67,14 @@ def test_role_errors() -> None:
                 )
             }
         )
+
+
+def test_launcher_command_line_roles(capsys) -> None:
+    from dtensor.runtime import launch
+
+    with pytest.raises(SystemExit):
+        launch.main(["--ps", "1", "--", "true"])
+    assert "--ps and --workers go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.main(["--", "true"])
+    assert "give -n N (processes), or --ps N --workers M" in capsys.readouterr().err

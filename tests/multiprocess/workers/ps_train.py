@@ -126,7 +126,6 @@ def main() -> None:
         for _ in range(flags.steps)
     ]
     coordinator.join()
-    print(f"joined at {time.time():.1f}", flush=True)
     assert coordinator.done()
     values = [float(v) for v in coordinator.fetch(losses)]
     if not flags.local:
