@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -136,6 +137,8 @@ def initialize(
     heartbeat_timeout_s: float = 15,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
+    tolerate: Sequence[int] = (),
+    names: Mapping[int, str] | None = None,
 ) -> ClusterSpec | None:
     """Join this process to a multi-process job (a no-op for a single process).
 
@@ -173,6 +176,8 @@ def initialize(
             waiting, with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`, as soon as one of them is
             lost.
         summary: print the cluster table on process 0.
+        tolerate: processes whose loss does not stop this one (the workers of a ps job).
+        names: how messages name processes (``{1: "ps 0"}``).
 
     Returns:
         The resolved cluster, or ``None`` for a single process.
@@ -230,6 +235,8 @@ def initialize(
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
         )
+        if _state.monitor is not None:  # before any loss can matter: no step has run yet
+            _state.monitor.tolerate, _state.monitor.names = frozenset(tolerate), dict(names or {})
         _state.initialized, _state.spec = True, spec
         _state.shutdown_timeout_s = shutdown_timeout_s
         _state.previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
@@ -441,6 +448,11 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
             "path through the program, or failed; raise timeout_s or make every process call "
             f"barrier({name!r}) in the same order. Coordination service said: {e}"
         ) from None
+
+
+def peer_monitor() -> peers.PeerMonitor | None:
+    """This process's watch on the others (``None`` outside a multi-process job)."""
+    return _state.monitor
 
 
 def shutdown() -> None:
