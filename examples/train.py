@@ -216,7 +216,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
     import jax.numpy as jnp
 
     import strategies
-    from strategies.memory_advice import accepts
+    from strategies.step.memory_advice import accepts
 
     strategy = strategies.from_name(args.strategy, devices=devices)
     cls = type(strategy)

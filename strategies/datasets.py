@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+import dtensor
 from dtensor import LayoutError
-from strategies.values import InputContext
+from strategies.replica.values import InputContext
 
-__all__ = ["CheckedShares"]
+if TYPE_CHECKING:
+    from strategies.base import Strategy
+
+__all__ = ["CheckedShares", "datasets_from_function", "distribute_dataset", "input_context"]
 
 
 class CheckedShares:
@@ -43,3 +47,53 @@ class CheckedShares:
                     + (" (or pass pad=True for a short last batch)." if not self.pad else ".")
                 )
             yield batch
+
+
+def batch_dim(strategy: Strategy) -> str | tuple[str, ...]:
+    """The mesh axis (or axes) a strategy splits the batch's first dimension over."""
+    axes = strategy.batch_axes
+    if not axes:
+        return strategy.mesh.dim_names[0]  # a size-1 axis: the batch stays whole
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def input_context(strategy: Strategy) -> InputContext:
+    """This process's :class:`InputContext` under ``strategy``."""
+    return InputContext(
+        num_input_pipelines=jax.process_count(),
+        input_pipeline_id=jax.process_index(),
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
+
+
+def distribute_dataset(
+    strategy: Strategy, dataset: Iterable[Any], *, pad: bool, prefetch: int
+) -> dtensor.DTensorDataset:
+    """:meth:`strategies.Strategy.experimental_distribute_dataset`."""
+    return dtensor.DTensorDataset(
+        dataset, strategy.mesh, batch_dim=batch_dim(strategy), prefetch=prefetch, pad=pad
+    )
+
+
+def datasets_from_function(
+    strategy: Strategy,
+    dataset_fn: Callable[[InputContext], Iterable[Any]],
+    *,
+    pad: bool,
+    prefetch: int,
+) -> dtensor.DTensorDataset:
+    """:meth:`strategies.Strategy.distribute_datasets_from_function`."""
+    ctx = input_context(strategy)
+    source = dataset_fn(ctx)
+    global_batch_size = ctx.requested_global_batch_size
+    if global_batch_size is not None:  # the function told us the global batch: check its shares
+        source = CheckedShares(source, ctx, global_batch_size, pad=pad)
+    return dtensor.DTensorDataset(
+        source,
+        strategy.mesh,
+        global_batch_size=global_batch_size,
+        batch_dim=batch_dim(strategy),
+        process_local=True,
+        prefetch=prefetch,
+        pad=pad,
+    )
