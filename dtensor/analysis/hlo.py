@@ -66,8 +66,10 @@ __all__ = [
     "ring_bytes",
 ]
 
-_ASYNC = {f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute")}
-_DONE = {f"{k}-done" for k in ("all-reduce", "all-gather", "collective-permute")}
+# XLA:GPU also emits reduce-scatter and all-to-all as start/done pairs.
+_PAIRED = ("all-reduce", "all-gather", "collective-permute", "reduce-scatter", "all-to-all")
+_ASYNC = {f"{k}-start": k for k in _PAIRED}
+_DONE = {f"{k}-done" for k in _PAIRED}
 
 
 def parse_collectives(
