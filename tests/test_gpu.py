@@ -254,3 +254,39 @@ def test_cli_prints_a_gpu_verdict(tmp_path, capsys):
     assert "already names 2 slices; drop --num-slices 2" in capsys.readouterr().err
     assert aot.main(["--topology", "h100:1x9", "--", DEMO]) == 2
     assert "9 GPUs per host, but a h100 host has at most 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gather_at_read", [True, False])
+def test_gpu_fsdp_gradients_are_reduce_scattered(gather_at_read):
+    """XLA:GPU emits reduce-scatter as a reduce-scatter-start/-done pair (one per kernel
+    gradient, combined in a tuple): each counts, sending (n-1)/n of the gradient; the
+    default plan on GPU (XLA's) reduce-scatters as the gather-at-read plan does."""
+    layers, dim, batch = 2, 1024, 64
+    devices = dtensor.gpu_topology("h100:1x8")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [nnx.Linear(dim, dim, use_bias=False, rngs=rngs) for _ in range(layers)]
+            )
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    s = strategies.FullyShardedStrategy(devices, min_shard_bytes=0, gather_at_read=gather_at_read)
+    assert strategies.FullyShardedStrategy(devices).gather_at_read is False  # XLA's plan on GPU
+    model, opt = nnx.eval_shape(
+        lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param)))(MLP(nnx.Rngs(0)))
+    )
+    xy = {k: jax.ShapeDtypeStruct((batch, dim), jnp.float32) for k in "xy"}
+    step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    report = s.explain(step, args=(model, opt, xy))
+    scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
+    assert len(scatters) == layers and {c.network for c in scatters} == {"nvlink"}
+    for c in scatters:
+        assert c.total_bytes_per_device == pytest.approx(7 / 8 * dim * dim * 4)
+    assert not [
+        c for c in report.collectives if c.kind == "all-reduce" and c.total_bytes_per_device > 1024
+    ]
