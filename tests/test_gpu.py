@@ -290,3 +290,24 @@ def test_gpu_fsdp_gradients_are_reduce_scattered(gather_at_read):
     assert not [
         c for c in report.collectives if c.kind == "all-reduce" and c.total_bytes_per_device > 1024
     ]
+
+
+def test_gpu_presets_benchmark_results():
+    """benchmarks/gpu_presets.py: every preset on h100:2x8 in the results file, each within
+    what a program may use and crossing hosts; a size examples/train.py lacks is recorded."""
+    from pathlib import Path
+
+    import strategies as s
+    from benchmarks import gpu_presets
+
+    got = json.loads(
+        (Path(__file__).parents[1] / "benchmarks/results/gpu_presets.json").read_text()
+    )
+    rows = {r["strategy"]: r for r in got["rows"]}
+    assert got["topology"] == "h100:2x8" and set(rows) == set(s.PRESET_NAMES)
+    for name, r in rows.items():
+        assert r["fits"] and r["usable_bytes_per_gpu"] == int(0.75 * 80 * GIB), name
+        if name != "one_device":
+            assert r["ib_bytes_per_gpu"] > 0, name
+    row = gpu_presets.large_row("no-such-size", "h100:8x8", "bf16 + remat", 64, 1024)
+    assert row["error"] == "examples/train.py has no --model-size no-such-size yet"
