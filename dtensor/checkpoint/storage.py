@@ -1,0 +1,167 @@
+"""Where checkpoints live: a local directory or a URL (``gs://bucket/run``), through ``etils.epath``.
+
+orbax resolves checkpoint directories with ``etils.epath`` (and writes arrays
+with TensorStore's kvstores); everything here goes through the same layer, so a
+local path and a bucket behave alike. A URL is never passed through
+:mod:`pathlib`: ``Path("gs://b/x").absolute()`` is the *local* path
+``<cwd>/gs:/b/x``.
+
+On a bucket, orbax commits a step by writing ``commit_success.txt`` into it
+last (object stores have no atomic rename); a step without it is unfinished and
+never listed. Errors of the store (no such bucket, no credentials, permission
+denied) become one :class:`~dtensor.checkpoint.CheckpointError` naming the URL
+and the fix (:func:`store_errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
+
+__all__ = [
+    "is_url",
+    "iter_files",
+    "read_json",
+    "refresh",
+    "resolve",
+    "size",
+    "store_errors",
+    "tensorstore_url",
+    "write_json",
+]
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` is a URL (``gs://...``, ``s3://...``), not a local path.
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import is_url
+        >>> is_url("gs://bucket/run"), is_url("/tmp/run"), is_url("run")
+        (True, False, False)
+    """
+    return bool(_URL.match(os.fspath(directory)))
+
+
+def resolve(directory: str | os.PathLike[str]) -> Any:
+    """``directory`` as an ``etils.epath.Path``: a URL kept as it is, a local path made absolute.
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import resolve
+        >>> str(resolve("gs://bucket/run"))
+        'gs://bucket/run'
+    """
+    from etils import epath
+
+    text = os.fspath(directory)
+    if is_url(text):
+        if text.startswith("file://"):
+            return epath.Path(os.path.abspath(text[len("file://") :]))
+        return epath.Path(text)
+    return epath.Path(os.path.abspath(text))
+
+
+def refresh(path: Any) -> None:
+    """Forget cached listings of a bucket (objects written by TensorStore or other hosts appear)."""
+    if not is_url(path):
+        return
+    from etils.epath import backend
+
+    with contextlib.suppress(AttributeError, ValueError):  # a scheme without a listing cache
+        backend.fsspec_backend.fs(os.fspath(path)).invalidate_cache()
+
+
+def size(path: Any) -> int:
+    """The size in bytes of a file (local or in a bucket)."""
+    stat = path.stat()
+    return int(getattr(stat, "length", getattr(stat, "st_size", 0)))
+
+
+def iter_files(top: Any) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk`` of ``top`` (relative directory names), on disk or in a bucket."""
+    refresh(top)
+    base = os.fspath(top).rstrip("/")
+    for root, dirs, files in top.walk():
+        rel = os.fspath(root).rstrip("/")[len(base) :].lstrip("/")
+        yield rel, dirs, files
+
+
+def read_json(path: Any) -> Any:
+    """The JSON value stored at ``path``."""
+    return json.loads(path.read_text())
+
+
+def write_json(path: Any, value: Any) -> None:
+    """Store ``value`` as JSON at ``path``."""
+    path.write_text(json.dumps(value, sort_keys=True))
+
+
+def tensorstore_url(path: Any) -> str:
+    """A TensorStore kvstore URL for ``path`` (``file:///...`` or ``gs://...``), ending in ``/``."""
+    text = os.fspath(path).rstrip("/")
+    return (text if is_url(text) else f"file://{text}") + "/"
+
+
+# -------------------------------------------------------------------- errors
+_FIXES = (
+    (
+        ("credential", "defaultcredentialserror", "unauthenticated", "401", "refresh token"),
+        "no credentials for the store",
+        "On a Cloud TPU VM the VM's service account is used; elsewhere run `gcloud auth "
+        "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS (against an emulator, "
+        "set STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL)",
+    ),
+    (
+        ("403", "permission", "forbidden", "access denied"),
+        "permission denied",
+        "Grant the account the job runs as Storage Object Admin (roles/storage.objectAdmin) on "
+        "the bucket, or use a bucket it can write",
+    ),
+    (
+        ("bucket does not exist", "nosuchbucket", "404", "not found", "no such bucket"),
+        "the bucket does not exist",
+        "Create it (`gcloud storage buckets create gs://BUCKET --location=REGION`, in the TPU's "
+        "region) or fix the URL",
+    ),
+)
+
+
+def store_error(url: str, error: BaseException) -> CheckpointError:
+    """One :class:`CheckpointError` for a failure of the store behind ``url``: what, where, the fix."""
+    text = f"{type(error).__name__}: {error}"
+    low = text.lower()
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    for marks, what, fix in _FIXES:
+        if any(m in low for m in marks):
+            return CheckpointError(
+                f"cannot use checkpoint storage {url!r}: {what} ({first}). {fix}."
+            )
+    return CheckpointError(
+        f"cannot use checkpoint storage {url!r}: {first}. Check that the URL is right and the "
+        "store reachable from this host (for gs://, the bucket exists and the job's account may "
+        "write it)."
+    )
+
+
+@contextlib.contextmanager
+def store_errors(directory: Any) -> Iterator[None]:
+    """Re-raise failures of a bucket's store as one :class:`CheckpointError` naming the URL.
+
+    Local paths are left alone (their errors already say what is wrong), and so
+    are our own errors.
+    """
+    try:
+        yield
+    except (CheckpointError, DamagedCheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gcsfs/google-auth/TensorStore errors, explained
+        if not is_url(directory):
+            raise
+        raise store_error(os.fspath(directory), e) from e
