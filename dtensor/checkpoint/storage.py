@@ -87,10 +87,12 @@ def size(path: Any) -> int:
 def iter_files(top: Any) -> Iterator[tuple[str, list[str], list[str]]]:
     """``os.walk`` of ``top`` (relative directory names), on disk or in a bucket."""
     refresh(top)
-    base = os.fspath(top).rstrip("/")
+    base = _URL.sub("", os.fspath(top)).rstrip("/")
     for root, dirs, files in top.walk():
-        rel = os.fspath(root).rstrip("/")[len(base) :].lstrip("/")
-        yield rel, dirs, files
+        text = _URL.sub("", os.fspath(root)).rstrip("/")  # fsspec gives "bucket/..." roots
+        if not text.startswith(base):
+            raise ValueError(f"walking {os.fspath(top)!r} gave {os.fspath(root)!r}")
+        yield text[len(base) :].lstrip("/"), dirs, files
 
 
 def read_json(path: Any) -> Any:
