@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -91,7 +90,9 @@ def emulator(data_dir: Path, *, timeout_s: float = 30.0) -> Iterator[Emulator]:
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"gcp-storage-emulator did not listen within {timeout_s} s")
+                    raise RuntimeError(
+                        f"gcp-storage-emulator did not listen within {timeout_s} s"
+                    ) from None
                 time.sleep(0.05)
         yield Emulator(f"http://127.0.0.1:{port}", data_dir, proc.pid)
     finally:

@@ -20,7 +20,7 @@ from flax import nnx
 import dtensor
 import strategies
 from dtensor import checkpoint
-from dtensor.checkpoint import CheckpointError, Checkpointer
+from dtensor.checkpoint import Checkpointer, CheckpointError
 from tests.models import MLPModel
 
 pytestmark = pytest.mark.xdist_group("gcs")
@@ -37,9 +37,9 @@ def pure(*objs):
     """NNX state as plain arrays (typed keys as their raw data)."""
     state = nnx.state(objs if len(objs) > 1 else objs[0]).to_pure_dict()
     return jax.tree.map(
-        lambda v: jax.random.key_data(v)
-        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-        else v,
+        lambda v: (
+            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+        ),
         state,
     )
 

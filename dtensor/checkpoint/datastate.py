@@ -30,7 +30,9 @@ _BYTES = "__bytes_base64__"
 
 def check_iterator(data: Any, where: str) -> None:
     """Raise a ``TypeError`` unless ``data`` has ``get_state()`` and ``set_state()``."""
-    if not (callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))):
+    if not (
+        callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))
+    ):
         raise TypeError(
             f"{where}: data= must be an input iterator with get_state() and set_state() (a Grain "
             f"dataset iterator or DataLoader iterator, or iter() of a strategy's distributed "

@@ -28,7 +28,6 @@ shards that cover a recorded shard, so a restore reads the data once.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Callable
