@@ -1,0 +1,74 @@
+"""Grain input pipelines resumed exactly after SIGTERM, on as many and on other numbers of processes.
+
+Real processes under dtensor.launch run tests/multiprocess/workers/grain_resume.py:
+an NNX model trained on a Grain pipeline under PreemptionCheckpointHandler(data=).
+Interrupted at step 3 and resumed, the global batches and the final parameters
+equal an uninterrupted run's bit for bit (1 process on local disk, 2 processes
+in a bucket of the GCS emulator). Resumed from the same checkpoint on another
+number of processes (2->1, 2->4, 1->2), every example of the run is read
+exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiprocess.util import expect_ok, report, results, run_worker
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("gcs")]
+
+TOTAL, STOP = 6, 3
+
+
+def train(ckpt, processes, stop=None, code=0):
+    args = [str(ckpt), str(TOTAL)] + ([str(stop)] if stop else [])
+    r = run_worker(
+        "grain_resume", processes, *args, devices_per_process=1, timeout_s=150, stop_on_failure=False
+    )
+    if code == 0:
+        return expect_ok(r, processes)[0]
+    assert r.returncodes == (code,) * processes, report(r)
+    return results(r)[0]
+
+
+def interrupted_then_resumed(ckpt, processes, resume_on):
+    first = train(ckpt, processes, stop=STOP, code=143)
+    assert first["start"] == 0
+    stopped = first["seen"][-1][0]
+    assert stopped >= STOP  # the notice is acted on at a step boundary all processes reach
+    second = train(ckpt, resume_on)
+    assert second["start"] == stopped and second["processes"] == resume_on
+    return first, second
+
+
+def check_exact(uninterrupted, first, second):
+    assert first["seen"] + second["seen"] == uninterrupted["seen"]
+    assert second["params"] == uninterrupted["params"]
+
+
+def check_each_example_once(first, second):
+    ids = [i for _, batch in first["seen"] + second["seen"] for i in batch]
+    assert sorted(ids) == list(range(8 * TOTAL))
+    assert [s for s, _ in first["seen"] + second["seen"]] == list(range(1, TOTAL + 1))
+
+
+@pytest.mark.timeout(420)
+def test_one_process_resumes_exactly_and_on_two(tmp_path):
+    uninterrupted = train(tmp_path / "u", 1)
+    assert [s for s, _ in uninterrupted["seen"]] == list(range(1, TOTAL + 1))
+    first, second = interrupted_then_resumed(tmp_path / "c", 1, resume_on=1)
+    check_exact(uninterrupted, first, second)
+    # The same checkpoint (resumed runs save nothing) resumed by 2 processes.
+    on_two = train(tmp_path / "c", 2)
+    check_each_example_once(first, on_two)
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_in_a_bucket_resume_exactly_and_on_one_and_four(gcs):
+    uninterrupted = train(gcs + "/u", 2)
+    first, second = interrupted_then_resumed(gcs + "/c", 2, resume_on=2)
+    check_exact(uninterrupted, first, second)
+    for n in (1, 4):
+        again = train(gcs + "/c", n)
+        assert again["start"] == first["seen"][-1][0]
+        check_each_example_once(first, again)
