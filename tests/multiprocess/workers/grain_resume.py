@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
+import time
 
 GLOBAL_BATCH = 8
 
 
 def main() -> None:
+    logging.getLogger("gcsfs").setLevel(logging.ERROR)  # a credentials warning per call
     import dtensor
 
     dtensor.initialize(timeout_s=60)
@@ -82,6 +85,7 @@ def main() -> None:
         seen.append([handler.total_run_calls + 1, np.asarray(ids).tolist()])
         if stop_at == handler.total_run_calls + 1 and rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the notice reaches the other processes through JAX's coordination service
         handler.run(s.run, step, args=(model, opt, batch))
     leaves = jax.tree.leaves(nnx.state((model, opt)).to_pure_dict())
     digest = hashlib.sha256()
