@@ -8,10 +8,16 @@
         --model-size 7b --batch-size 16 --seq-len 1024 --mixed-precision bf16 --remat
 
 The corpus is built at run time from the Python standard library's own
-docstrings and source (nothing is downloaded). The run shows the mesh and every
-variable's layout, a progress bar, the compiled step's communication and
-memory, checkpoints through the preemption handler (Ctrl-C or SIGTERM saves and
-exits; running again resumes), a loss curve and a generated sample.
+docstrings and source (nothing is downloaded) and read through a Grain
+pipeline, each process reading its share of every batch. The run shows the
+mesh and every variable's layout, a progress bar, the compiled step's
+communication and memory, checkpoints through the preemption handler (Ctrl-C
+or SIGTERM saves model, optimizer and the pipeline's position, and exits;
+running again resumes all three), a loss curve and a generated sample.
+
+``--out`` takes a directory or a bucket URL: with ``--out gs://BUCKET/run``
+the checkpoints, the loss curve and ``results.json`` live in the bucket (try it
+without a cloud account against ``gcp-storage-emulator``; see the README).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import argparse
 import ast
 import json
 import os
-import shutil
 import signal
 import sys
 import sysconfig
@@ -41,7 +46,9 @@ LAST_OPTIONS: dict[str, str] = {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--strategy", default="mirrored", help="a preset name (see --list-strategies)")
     p.add_argument("--list-strategies", action="store_true", help="list the presets and exit")
     p.add_argument("--steps", type=int, default=1000, help="total training steps (default 1000)")
@@ -53,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "of examples/decoder.py, for python -m dtensor.aot (its aot_step)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="sequence length (default: the size's)"
+    )
     p.add_argument(
         "--mixed-precision",
         choices=["none", "bf16"],
@@ -67,21 +76,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recompute each block in the backward pass (the preset's remat= where it takes it, "
         "else the decoder's own nnx.remat)",
     )
-    p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP: keep gathered weights for the backward pass")
-    p.add_argument("--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)")
-    p.add_argument("--gather-at-reads", action="store_true", help="FSDP: gather_at_read=True (the default on CPU only)")
-    p.add_argument("--model-remat", action="store_true", help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)")
-    p.add_argument("--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory")
+    p.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP: keep gathered weights for the backward pass",
+    )
+    p.add_argument(
+        "--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)"
+    )
+    p.add_argument(
+        "--gather-at-reads",
+        action="store_true",
+        help="FSDP: gather_at_read=True (the default on CPU only)",
+    )
+    p.add_argument(
+        "--model-remat",
+        action="store_true",
+        help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)",
+    )
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory"
+    )
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
-    p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go")
-    p.add_argument("--save-every", type=int, default=250, help="also checkpoint every N steps (0: only on preemption)")
-    p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="simulated CPU devices when no accelerator is present",
+    )
+    p.add_argument(
+        "--out",
+        default="runs",
+        help="where checkpoints, the plot and results go: a directory or a gs:// URL",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=250,
+        help="also checkpoint every N steps (0: only on preemption)",
+    )
+    p.add_argument(
+        "--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run"
+    )
     p.add_argument("--sample-chars", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary line (no tables, no progress bar)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with the run's results on stdout, nothing else")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the final summary line (no tables, no progress bar)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with the run's results on stdout, nothing else",
+    )
     return p.parse_args(argv)
 
 
@@ -123,6 +172,26 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("ascii", errors="replace")
 
 
+def windows_dataset(data, seq: int, seed: int, ctx, global_batch: int):
+    """This process's share of the batches: a Grain pipeline of shuffled windows of the corpus.
+
+    Index-based (a shuffled ``MapDataset`` of window starts, repeated), so its
+    position is saved with each checkpoint and a run resumes on the very next
+    batch, even on another number of processes.
+    """
+    import grain
+    import numpy as np
+
+    def window(start) -> dict:
+        w = data[int(start) : int(start) + seq + 1]
+        return {"x": w[:-1], "y": w[1:]}
+
+    rows = ctx.get_per_pipeline_batch_size(global_batch)
+    starts = grain.MapDataset.range(len(data) - seq - 1).shuffle(seed=seed).repeat()
+    share = starts[ctx.input_pipeline_id :: ctx.num_input_pipelines].map(window)
+    return share.batch(rows, batch_fn=lambda xs: {k: np.stack([x[k] for x in xs]) for k in xs[0]})
+
+
 def batch_for_step(data, step: int, batch: int, seq: int, seed: int):
     """The batch of a step: random windows chosen by the step number (resumes reproduce it)."""
     import numpy as np
@@ -142,7 +211,12 @@ def make_model_cls():
         def __init__(self, dim: int, heads: int, mlp: int, rngs: nnx.Rngs):
             self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
             self.attn = nnx.MultiHeadAttention(
-                num_heads=heads, in_features=dim, qkv_features=dim, decode=False, use_bias=False, rngs=rngs
+                num_heads=heads,
+                in_features=dim,
+                qkv_features=dim,
+                decode=False,
+                use_bias=False,
+                rngs=rngs,
             )
             self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
             self.up = nnx.Linear(dim, mlp, rngs=rngs)
@@ -191,7 +265,9 @@ def decoder_module():
 
     name = "_dtensor_example_decoder"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "decoder.py")
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parent / "decoder.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -226,7 +302,9 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
     decoder = block_cls is not None
     if args.mixed_precision == "bf16":
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
-            wanted["mixed_precision"] = strategies.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+            wanted["mixed_precision"] = strategies.MixedPrecision(
+                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
+            )
             applied["mixed_precision"] = "strategy"
         elif decoder:
             model_changes["dtype"] = jnp.bfloat16
@@ -289,7 +367,9 @@ def aot_step(argv: list[str], *, devices):
 
         def build():
             model = decoder.Decoder(cfg, rngs=nnx.Rngs(args.seed))
-            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+            return model, nnx.Optimizer(
+                model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param
+            )
 
         step = decoder_train_step
     else:
@@ -299,7 +379,9 @@ def aot_step(argv: list[str], *, devices):
 
         def build():
             model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
-            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+            return model, nnx.Optimizer(
+                model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param
+            )
 
         step = train_step
 
@@ -341,7 +423,7 @@ def explain_summary(report):
     return table
 
 
-def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> None:
+def plot_losses(losses: list[tuple[int, float]], path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -355,8 +437,12 @@ def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> None
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    path.write_bytes(buf.getvalue())  # a local path or an object in a bucket
 
 
 def generate(model, prompt: str, chars: int, seq: int, seed: int) -> str:
@@ -425,13 +511,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.model_size in DECODER_SIZES:
-        console.print(f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}")
+        console.print(
+            f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}"
+        )
         return 2
     strategy = strategies.from_name(args.strategy)
     dim, layers, heads, mlp, seq = SIZES[args.model_size]
     seq = args.seq_len or seq
     if args.batch_size % strategy.num_replicas_in_sync:
-        console.print(f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas.")
+        console.print(
+            f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas."
+        )
         return 2
 
     corpus = build_corpus()
@@ -457,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     layouts, rules = strategy.variable_layouts(model)
     console.print(
         dtensor.core.text.layouts_table(
-            model, layouts, rules, title=f"variable layouts under {args.strategy}", width=console.width
+            model,
+            layouts,
+            rules,
+            title=f"variable layouts under {args.strategy}",
+            width=console.width,
         )
     )
     console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
@@ -468,29 +562,43 @@ def main(argv: list[str] | None = None) -> int:
     for w in report.warnings[:5]:
         console.print(Text("warning: ", style="yellow") + Text(str(w)))
 
-    run_dir = Path(args.out) / args.strategy
+    from dtensor.checkpoint.storage import resolve
+
+    run_dir = resolve(args.out) / args.strategy  # a local directory, or a gs:// URL kept as one
     ckpt_dir = run_dir / "checkpoints"
     if args.fresh and jax.process_index() == 0 and ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
+        ckpt_dir.rmtree()
+    if args.fresh:
+        dtensor.barrier("fresh")
     run_dir.mkdir(parents=True, exist_ok=True)
+    batches = iter(
+        strategy.distribute_datasets_from_function(
+            lambda ctx: windows_dataset(data, seq, args.seed, ctx, args.batch_size)
+        )
+    )
 
     def on_preempt() -> None:
-        console.print(f"[bold yellow]preempted:[/] checkpoint saved at step {handler.total_run_calls} in {ckpt_dir}; run again to resume.")
+        console.print(
+            f"[bold yellow]preempted:[/] checkpoint saved at step {handler.total_run_calls} in {ckpt_dir}; run again to resume."
+        )
         sys.exit(0)
 
     handler = PreemptionCheckpointHandler(
-        ckpt_dir.resolve(),
+        str(ckpt_dir),
         {"model": model, "optimizer": optimizer},
         strategy,
         save_interval_steps=args.save_every or None,
         termination_config=TerminationConfig(exit_fn=on_preempt),
         signals=(signal.SIGTERM, signal.SIGINT),
+        data=batches,  # the pipeline's position is saved and restored with model and optimizer
     )
     start = handler.total_run_calls
     if start:
         console.print(f"resumed from the checkpoint at step {start}")
     if start >= args.steps:
-        console.print(f"already trained {start} steps; pass --steps N (> {start}) to go on, or --fresh to start over.")
+        console.print(
+            f"already trained {start} steps; pass --steps N (> {start}) to go on, or --fresh to start over."
+        )
 
     losses: list[tuple[int, float]] = []
     pending: list[tuple[int, object]] = []
@@ -509,8 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss="-", tps="-")
         for step in range(start, args.steps):
-            batch = batch_for_step(data, step, args.batch_size, seq, args.seed)
-            loss = handler.run(strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True)
+            batch = next(batches)
+            loss = handler.run(
+                strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True
+            )
             pending.append((step + 1, loss))
             if len(pending) >= 10 or step + 1 == args.steps:
                 for s, v in pending:
@@ -534,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; curve in {png}")
     sample = generate(model, "def ", args.sample_chars, seq, args.seed)
     console.print(Panel(sample, title="a sample from the model"))
-    if jax.process_index() == 0 and (args.quiet or args.json):
+    if jax.process_index() == 0:
         summary = {
             "strategy": args.strategy,
             "devices": jax.device_count(),
@@ -550,12 +660,15 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoints": str(ckpt_dir),
             "sample": sample,
         }
+        (run_dir / "results.json").write_text(json.dumps(summary, sort_keys=True, indent=1))
         if args.json:
             print(json.dumps(summary, sort_keys=True))
-        else:
+        elif args.quiet:
             first, last = summary["loss_first"], summary["loss_last"]
             loss = f"loss {first:.3f} -> {last:.3f}" if losses else "no steps run"
-            print(f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s")
+            print(
+                f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s"
+            )
     return 0
 
 

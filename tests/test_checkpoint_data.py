@@ -76,7 +76,9 @@ def test_a_position_that_cannot_be_resplit_names_the_process_counts():
         {"process_count": 2, "process_index": i, "state": {"next_index": 3}} for i in range(2)
     ]
     raw = iter(grain_batches().to_iter_dataset())
-    with pytest.raises(CheckpointError, match=r"positions of 2 processes, but 1 processes.*Resume on 2"):
+    with pytest.raises(
+        CheckpointError, match=r"positions of 2 processes, but 1 processes.*Resume on 2"
+    ):
         datastate.apply(raw, records, 5, "gs://b/run")
     s = strategies.MirroredStrategy()
     it = iter(s.distribute_datasets_from_function(lambda ctx: grain_batches()))
@@ -84,7 +86,9 @@ def test_a_position_that_cannot_be_resplit_names_the_process_counts():
         {"process_count": 2, "state": {"batches": 3, "source": {"epoch": 1}, "process_local": True}}
         for _ in range(2)
     ]
-    with pytest.raises(CheckpointError, match=r"2 processes cannot be re-split over 1.*index-based"):
+    with pytest.raises(
+        CheckpointError, match=r"2 processes cannot be re-split over 1.*index-based"
+    ):
         datastate.apply(it, odd, 5, "gs://b/run")
 
 

@@ -16,7 +16,16 @@ DEMO = ROOT / "examples" / "train.py"
 
 def _run(args: list[str], tmp_path: Path, *, launch: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(DEMO), "--out", str(tmp_path), "--fresh", "--sample-chars", "8", *args]
+    cmd = [
+        sys.executable,
+        str(DEMO),
+        "--out",
+        str(tmp_path),
+        "--fresh",
+        "--sample-chars",
+        "8",
+        *args,
+    ]
     if launch:
         launcher = [sys.executable, "-m", "dtensor.launch", "-n", str(launch)]
         cmd = [*launcher, "--devices-per-process", "2", "--", sys.executable, *cmd[1:]]
@@ -54,3 +63,33 @@ def test_demo_quiet_under_the_launcher(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summaries = [line for line in proc.stdout.splitlines() if "steps on 4 devices" in line]
     assert len(summaries) == 1 and "mirrored: 2 steps on 4 devices, loss" in summaries[0]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gcs")
+def test_demo_keeps_its_run_in_a_bucket_and_resumes_model_and_data(gcs, gcs_emulator):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(DEMO), "--out", gcs, "--sample-chars", "4", "--json"]
+    runs = []
+    for steps in (3, 5):
+        proc = subprocess.run(
+            [*cmd, "--steps", str(steps), "--save-every", "0"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=400,
+            cwd=Path.cwd(),
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout))
+    assert [r["resumed_from"] for r in runs] == [0, 3]
+    assert runs[1]["checkpoints"] == f"{gcs}/mirrored/checkpoints"
+    stored = gcs_emulator.object_path(gcs) / "mirrored"
+    assert json.loads((stored / "results.json").read_text())["steps"] == 5
+    assert (stored / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # The data position went with each step: 3 global batches read, then 5.
+    for step in (3, 5):
+        record = json.loads(
+            (stored / "checkpoints" / str(step) / "data" / "process_0.json").read_text()
+        )
+        assert record["state"]["batches"] == step

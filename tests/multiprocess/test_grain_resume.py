@@ -23,7 +23,12 @@ TOTAL, STOP = 6, 3
 def train(ckpt, processes, stop=None, code=0):
     args = [str(ckpt), str(TOTAL)] + ([str(stop)] if stop else [])
     r = run_worker(
-        "grain_resume", processes, *args, devices_per_process=1, timeout_s=150, stop_on_failure=False
+        "grain_resume",
+        processes,
+        *args,
+        devices_per_process=1,
+        timeout_s=150,
+        stop_on_failure=False,
     )
     if code == 0:
         return expect_ok(r, processes)[0]

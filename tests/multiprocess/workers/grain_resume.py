@@ -85,7 +85,9 @@ def main() -> None:
         seen.append([handler.total_run_calls + 1, np.asarray(ids).tolist()])
         if stop_at == handler.total_run_calls + 1 and rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(2)  # the notice reaches the other processes through JAX's coordination service
+            time.sleep(
+                2
+            )  # the notice reaches the other processes through JAX's coordination service
         handler.run(s.run, step, args=(model, opt, batch))
     leaves = jax.tree.leaves(nnx.state((model, opt)).to_pure_dict())
     digest = hashlib.sha256()
