@@ -64,7 +64,17 @@ def _decode(state: Any) -> Any:
 
 
 def capture(data: Any) -> dict[str, Any]:
-    """This process's record: the iterator's state and who saved it."""
+    """This process's record: the iterator's state and who saved it.
+
+    Examples:
+        >>> import grain
+        >>> from dtensor.checkpoint.datastate import capture
+        >>> it = iter(grain.MapDataset.range(4).to_iter_dataset())
+        >>> _ = next(it)
+        >>> r = capture(it)
+        >>> r["state"], r["process_count"]
+        ({'next_index': 1}, 1)
+    """
     check_iterator(data, "saving the input position")
     return {
         "format": 1,

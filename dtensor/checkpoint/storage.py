@@ -31,6 +31,7 @@ __all__ = [
     "refresh",
     "resolve",
     "size",
+    "store_error",
     "store_errors",
     "tensorstore_url",
     "write_json",
@@ -69,7 +70,12 @@ def resolve(directory: str | os.PathLike[str]) -> Any:
 
 
 def refresh(path: Any) -> None:
-    """Forget cached listings of a bucket (objects written by TensorStore or other hosts appear)."""
+    """Forget cached listings of a bucket (objects written by TensorStore or other hosts appear).
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import refresh
+        >>> refresh("/tmp")  # a local path: nothing is cached
+    """
     if not is_url(path):
         return
     from etils.epath import backend
@@ -79,13 +85,32 @@ def refresh(path: Any) -> None:
 
 
 def size(path: Any) -> int:
-    """The size in bytes of a file (local or in a bucket)."""
+    """The size in bytes of a file (local or in a bucket).
+
+    Examples:
+        >>> import tempfile
+        >>> from dtensor.checkpoint.storage import resolve, size
+        >>> p = resolve(tempfile.mkdtemp()) / "f"
+        >>> _ = p.write_text("abc")
+        >>> size(p)
+        3
+    """
     stat = path.stat()
     return int(getattr(stat, "length", getattr(stat, "st_size", 0)))
 
 
 def iter_files(top: Any) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk`` of ``top`` (relative directory names), on disk or in a bucket."""
+    """``os.walk`` of ``top`` (relative directory names), on disk or in a bucket.
+
+    Examples:
+        >>> import tempfile
+        >>> from dtensor.checkpoint.storage import iter_files, resolve
+        >>> top = resolve(tempfile.mkdtemp())
+        >>> (top / "a").mkdir()
+        >>> _ = (top / "a" / "f").write_text("x")
+        >>> sorted((rel, files) for rel, _, files in iter_files(top))
+        [('', []), ('a', ['f'])]
+    """
     refresh(top)
     base = _URL.sub("", os.fspath(top)).rstrip("/")
     for root, dirs, files in top.walk():
@@ -96,17 +121,32 @@ def iter_files(top: Any) -> Iterator[tuple[str, list[str], list[str]]]:
 
 
 def read_json(path: Any) -> Any:
-    """The JSON value stored at ``path``."""
+    """The JSON value stored at ``path`` (see :func:`write_json`)."""
     return json.loads(path.read_text())
 
 
 def write_json(path: Any, value: Any) -> None:
-    """Store ``value`` as JSON at ``path``."""
+    """Store ``value`` as JSON at ``path``.
+
+    Examples:
+        >>> import tempfile
+        >>> from dtensor.checkpoint.storage import read_json, resolve, write_json
+        >>> p = resolve(tempfile.mkdtemp()) / "x.json"
+        >>> write_json(p, {"b": 1, "a": [2]})
+        >>> read_json(p)
+        {'a': [2], 'b': 1}
+    """
     path.write_text(json.dumps(value, sort_keys=True))
 
 
 def tensorstore_url(path: Any) -> str:
-    """A TensorStore kvstore URL for ``path`` (``file:///...`` or ``gs://...``), ending in ``/``."""
+    """A TensorStore kvstore URL for ``path`` (``file:///...`` or ``gs://...``), ending in ``/``.
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import tensorstore_url
+        >>> tensorstore_url("gs://bucket/run/3/state"), tensorstore_url("/data/run")
+        ('gs://bucket/run/3/state/', 'file:///data/run/')
+    """
     text = os.fspath(path).rstrip("/")
     return (text if is_url(text) else f"file://{text}") + "/"
 
@@ -136,7 +176,14 @@ _FIXES = (
 
 
 def store_error(url: str, error: BaseException) -> CheckpointError:
-    """One :class:`CheckpointError` for a failure of the store behind ``url``: what, where, the fix."""
+    """One :class:`CheckpointError` for a failure of the store behind ``url``: what, where, the fix.
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import store_error
+        >>> e = store_error("gs://b/run", PermissionError("403 Forbidden"))
+        >>> str(e).split(". ")[0]
+        "cannot use checkpoint storage 'gs://b/run': permission denied (PermissionError: 403 Forbidden)"
+    """
     text = f"{type(error).__name__}: {error}"
     low = text.lower()
     first = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
@@ -158,6 +205,15 @@ def store_errors(directory: Any) -> Iterator[None]:
 
     Local paths are left alone (their errors already say what is wrong), and so
     are our own errors.
+
+    Examples:
+        >>> from dtensor.checkpoint.storage import store_errors
+        >>> try:
+        ...     with store_errors("gs://b/run"):
+        ...         raise FileNotFoundError("404 bucket does not exist")
+        ... except ValueError as e:
+        ...     print(type(e).__name__, "create it" in str(e).lower())
+        CheckpointError True
     """
     try:
         yield

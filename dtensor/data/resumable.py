@@ -95,6 +95,19 @@ class ResumableIterator:
         process_local: each process reads its own share (else every process
             reads the same global batches).
         rows: the rows of a host batch (for re-splitting positions).
+
+    Examples:
+        >>> import dtensor, grain, numpy as np
+        >>> mesh = dtensor.create_mesh([("batch", 8)])
+        >>> ds = grain.MapDataset.range(32).map(lambda i: {"x": np.full((2,), i, np.float32)})
+        >>> it = iter(dtensor.DTensorDataset(ds.batch(8), mesh))
+        >>> _ = next(it)
+        >>> it.get_state()["source"], it.get_state()["batches"]
+        ({'next_index': 1}, 1)
+        >>> it2 = iter(dtensor.DTensorDataset(ds.batch(8), mesh))
+        >>> it2.set_state(it.get_state())
+        >>> next(it2)["x"][:, 0].tolist() == next(it)["x"][:, 0].tolist()
+        True
     """
 
     def __init__(
@@ -106,7 +119,7 @@ class ResumableIterator:
         process_local: bool,
         rows: Callable[[Any], int | None],
     ) -> None:
-        self._source = source
+        self._source: Any = source  # get_state/set_state where it has them
         self._place = place
         self._size = prefetch
         self._process_local = process_local
@@ -114,7 +127,7 @@ class ResumableIterator:
         self._resumable = checkpointable(source)
         self._batches = 0
         self._rows: int | None = None
-        self._state = source.get_state() if self._resumable else None
+        self._state = self._source.get_state() if self._resumable else None
         self._pre: _Prefetcher | None = None
 
     def _read(self) -> tuple[Any, Any, int | None]:
