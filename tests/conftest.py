@@ -10,7 +10,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # Scripts that tests start as real processes are not test modules (and set up JAX
 # their own way at import): keep them out of collection, doctests included.
-collect_ignore_glob = ["workers_ckpt/*", "multiprocess/workers/*"]
+collect_ignore_glob = ["workers_ckpt/*", "multiprocess/workers/*", "gcs_server.py"]
 
 
 # ------------------------------------------------------------ a GCS API on loopback

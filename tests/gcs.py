@@ -50,18 +50,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# The emulator's console script, with a deeper listen queue: its single-threaded
-# http.server keeps Python's default backlog of 5, which TensorStore's dozens of
-# parallel requests overflow (refused connections, then "Malformed
-# StorageGeneration" from a retried write). The protocol it serves is unchanged.
-_LAUNCH = (
-    "import sys, http.server; http.server.HTTPServer.request_queue_size = 1024; "
-    "from gcp_storage_emulator.__main__ import main; sys.argv[0] = 'gcp-storage-emulator'; main()"
-)
-
-
 def _command() -> list[str]:
-    return [sys.executable, "-c", _LAUNCH]
+    """The emulator's command line, with the gaps to real GCS closed (see tests/gcs_server.py)."""
+    return [sys.executable, str(Path(__file__).with_name("gcs_server.py"))]
 
 
 @contextlib.contextmanager

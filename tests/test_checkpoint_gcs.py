@@ -143,3 +143,35 @@ def test_sigkill_during_async_save_leaves_no_committed_partial_step(gcs):
     assert ckpt.all_steps() == [1, 2] and ckpt.unfinished() == []
     assert [c.status for c in checkpoint.verify(gcs)] == ["ok", "ok"]
     ckpt.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "what", "fix"),
+    [
+        (
+            PermissionError("403 Forbidden: caller does not have storage.objects.create"),
+            "permission denied",
+            "objectAdmin",
+        ),
+        (
+            OSError("Anonymous caller: 401 Unauthorized"),
+            "no credentials",
+            "gcloud auth application-default login",
+        ),
+        (
+            FileNotFoundError("The specified bucket does not exist. 404"),
+            "the bucket does not exist",
+            "gcloud storage buckets create",
+        ),
+    ],
+)
+def test_store_errors_name_the_url_and_the_fix(error, what, fix):
+    from dtensor.checkpoint.storage import store_errors
+
+    with pytest.raises(CheckpointError, match=rf"'gs://b/run': {what} .*{fix}"):
+        with store_errors("gs://b/run"):
+            raise error
+    # Not the store's error (orbax refusing a value): left as it was.
+    with pytest.raises(ValueError, match="^Cannot serialize host local"):
+        with store_errors("gs://b/run"):
+            raise ValueError("Cannot serialize host local jax.Array")

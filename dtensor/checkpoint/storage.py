@@ -204,7 +204,8 @@ def store_errors(directory: Any) -> Iterator[None]:
     """Re-raise failures of a bucket's store as one :class:`CheckpointError` naming the URL.
 
     Local paths are left alone (their errors already say what is wrong), and so
-    are our own errors.
+    are our own errors and errors that are not the store's (orbax refusing a
+    value keeps its own message).
 
     Examples:
         >>> from dtensor.checkpoint.storage import store_errors
@@ -220,6 +221,18 @@ def store_errors(directory: Any) -> Iterator[None]:
     except (CheckpointError, DamagedCheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - gcsfs/google-auth/TensorStore errors, explained
-        if not is_url(directory):
-            raise
+        if not (is_url(directory) and _from_store(e)):
+            raise  # not the store's: e.g. orbax refusing a value, said better by its own error
         raise store_error(os.fspath(directory), e) from e
+
+
+_STORE_MODULES = ("google.", "gcsfs", "aiohttp", "requests", "urllib3", "fsspec", "s3fs")
+
+
+def _from_store(error: BaseException) -> bool:
+    """Whether ``error`` came from the storage layer (I/O, HTTP, auth), not from the values saved."""
+    if isinstance(error, OSError):
+        return True
+    if type(error).__module__.startswith(_STORE_MODULES):
+        return True
+    return bool(re.search(r"https?:|gs://|\bgcs\b|credential|bucket", str(error), re.I))
