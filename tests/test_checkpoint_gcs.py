@@ -75,6 +75,8 @@ def test_arrays_round_trip_in_a_bucket(gcs, gcs_emulator):
     assert (stored / "3" / "commit_success.txt").is_file()
     assert (stored / "3" / "checksums" / "files.json").is_file()
     assert checkpoint.read_manifest(gcs)["step"] == 3
+    assert checkpoint.latest_step(gcs) == 3
+    assert checkpoint.latest_step(gcs + "/nothing-here") is None
     assert [(c.step, c.status) for c in checkpoint.verify(gcs)] == [(3, "ok")]
 
 

@@ -9,7 +9,7 @@ from dtensor.checkpoint import storage
 from dtensor.checkpoint.checkpointer import Checkpointer
 from dtensor.checkpoint.errors import CheckpointError
 
-__all__ = ["existing", "read_manifest", "restore", "save"]
+__all__ = ["existing", "latest_step", "read_manifest", "restore", "save"]
 
 
 # ------------------------------------------------------------ one-shot helpers
@@ -87,6 +87,30 @@ def restore(
     """
     with existing(directory) as ckpt:
         return ckpt.restore(step, target, verify=verify, data=data)
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest complete, intact step in ``directory`` (a path or a bucket URL), or ``None``.
+
+    Unfinished steps (an interrupted write: no commit) are never counted; a
+    damaged newest step is skipped with a warning, as a restore skips it.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> dtensor.checkpoint.latest_step(d) is None
+        True
+        >>> _ = dtensor.checkpoint.save(d, {"w": jnp.zeros(2)}, step=4)
+        >>> dtensor.checkpoint.latest_step(d)
+        4
+    """
+    path = storage.resolve(directory)
+    with storage.store_errors(path):
+        missing = not path.is_dir()
+    if missing:
+        return None
+    with existing(directory) as ckpt:
+        return ckpt.latest_step()
 
 
 def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
