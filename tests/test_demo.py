@@ -16,16 +16,7 @@ DEMO = ROOT / "examples" / "train.py"
 
 def _run(args: list[str], tmp_path: Path, *, launch: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        str(DEMO),
-        "--out",
-        str(tmp_path),
-        "--fresh",
-        "--sample-chars",
-        "8",
-        *args,
-    ]
+    cmd = [sys.executable, str(DEMO), "--out", str(tmp_path), "--fresh", "--sample-chars", "8", *args]
     if launch:
         launcher = [sys.executable, "-m", "dtensor.launch", "-n", str(launch)]
         cmd = [*launcher, "--devices-per-process", "2", "--", sys.executable, *cmd[1:]]
