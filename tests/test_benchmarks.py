@@ -113,7 +113,6 @@ def test_fsdp_scale_rows_on_cpu(tmp_path, capsys):
     assert f"| {rows['bf16']['comm_ratio']:.2f} |" in bf16
 
 
-@pytest.mark.xdist_group("gcs")
 def test_checkpoint_gcs_benchmark_tiny(tmp_path):
     """The bucket-vs-disk benchmark with a 2 MiB tree: its own emulator, JSON with both places."""
     import os

@@ -23,8 +23,6 @@ from dtensor import checkpoint
 from dtensor.checkpoint import Checkpointer, CheckpointError
 from tests.models import MLPModel
 
-pytestmark = pytest.mark.xdist_group("gcs")
-
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers_ckpt"
 

@@ -59,7 +59,6 @@ def test_demo_quiet_under_the_launcher(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("gcs")
 def test_demo_ctrl_c_in_a_bucket_then_resumes_model_optimizer_and_data(gcs, gcs_emulator):
     """Ctrl-C mid-run saves model, optimizer and data position in the bucket; a second run resumes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}

@@ -7,7 +7,7 @@ import pytest
 from dtensor import checkpoint
 from tests.multiprocess.util import expect_ok, run_worker
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("gcs")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("multiprocess")]
 
 
 @pytest.mark.timeout(240)

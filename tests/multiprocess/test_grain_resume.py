@@ -94,13 +94,16 @@ def test_one_process_resumes_exactly_and_on_two(tmp_path):
     check_each_example_once(first, on_two)
 
 
-@pytest.mark.xdist_group("gcs")
+@pytest.mark.xdist_group("multiprocess")
 @pytest.mark.timeout(600)
 def test_two_processes_in_a_bucket_resume_exactly_and_on_one_and_four(gcs):
     uninterrupted = train(gcs + "/u", 2)
     first, second = interrupted_then_resumed(gcs + "/c", 2, resume_on=2)
     check_exact(uninterrupted, first, second)
-    for n in (1, 4):
-        again = train(gcs + "/c", n)
-        assert again["start"] == first["seen"][-1][0]
+    stopped = first["seen"][-1][0]
+    on_one = train_here(gcs + "/c")  # 2 -> 1: this process, its 8 devices
+    on_four = train(gcs + "/c", 4)  # 2 -> 4: real processes
+    for again in (on_one, on_four):
+        assert again["start"] == stopped
         check_each_example_once(first, again)
+    assert on_one["processes"] == 1 and on_four["processes"] == 4
