@@ -150,6 +150,10 @@ def compile_script(
     t0 = time.perf_counter()
     report = strategy.explain(step, args=tuple(args))
     seconds = time.perf_counter() - t0
+    flops_hook = getattr(module, "model_flops", None)
+    flops = flops_hook(list(argv)) if callable(flops_hook) else None
+    if flops:
+        report = report.with_model_flops(flops)
     return AotResult(report, strategy, topology, num_slices, devices, seconds)
 
 
@@ -217,6 +221,18 @@ def summary(result: AotResult, *, title: str = "") -> str:
         f"{_human(r.min_comm_bytes_per_device)}"
     )
     console.print(comm)
+    floor = r.step_floor
+    if floor is not None:
+        mfu = f"; MFU ceiling {r.mfu_ceiling:.1%}" if r.mfu_ceiling is not None else ""
+        dcn = f", DCN {floor.dcn_seconds * 1e3:.1f} ms" if floor.dcn_seconds else ""
+        console.print(
+            f"step-time floor {floor.seconds * 1e3:.1f} ms ({floor.bound}-bound: compute "
+            f"{floor.compute_seconds * 1e3:.1f} ms for {floor.flops_per_device / 1e12:.2f} "
+            f"TFLOP per chip at peak, ICI {floor.ici_seconds * 1e3:.1f} ms{dcn}){mfu}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     if fit is not None:
         verdict = ("OK " if fit.fits else "NO ") + str(fit)
         console.print(verdict, highlight=False, markup=False, soft_wrap=True)

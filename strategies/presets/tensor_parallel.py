@@ -254,7 +254,9 @@ class HybridStrategy(Strategy):
         pass (2 all-reduces of ``tokens x out_features``); a vocab-parallel
         embedding's lookup is all-reduced once. ``tokens`` is the first batch
         array's elements per data shard (all of them for integer token ids,
-        all but the last dimension for float features). Ring model:
+        all but the last dimension for float features; the first layer's
+        input gradient is not all-reduced when its input is the float
+        batch, which needs none). Ring model:
         ``2(t-1)/t`` bytes per byte all-reduced.
         """
         t = self.mesh.shape["tensor"]
@@ -266,6 +268,7 @@ class HybridStrategy(Strategy):
         integer = np.issubdtype(np.dtype(first.dtype), np.integer)
         tokens = math.prod(shape if integer else shape[:-1]) / self.num_replicas_in_sync
         total = 0.0
+        rows = 0
         leaves = jax.tree_util.tree_leaves_with_path(
             state, is_leaf=lambda v: hasattr(v, "get_value")
         )
@@ -279,9 +282,14 @@ class HybridStrategy(Strategy):
             features = np.shape(value)[-1]
             if rule.startswith("megatron row") and p.endswith("kernel"):
                 total += 2 * tokens * features * item
+                rows += 1
             elif rule == "megatron vocab":
                 total += tokens * features * item
-        return total * 2 * (t - 1) / t
+        if rows and not integer:
+            # The input of the first (column-parallel) layer is the batch, whose gradient
+            # no one needs: its all-reduce in the backward pass never happens.
+            total -= tokens * shape[-1] * np.dtype(first.dtype).itemsize
+        return max(total, 0.0) * 2 * (t - 1) / t
 
     def read_options(self) -> ReadOptions:
         """Gather ``fsdp``-split reads (``gather_at_read``), reshard, remat, casts."""
