@@ -377,15 +377,16 @@ class Decoder(nnx.Module):
 def model_flops(cfg: DecoderConfig, batch: int, seq: int) -> float:
     """One training step's model FLOPs, as MFU counts them (PaLM, Chowdhery et al. 2022,
     appendix B): ``6 x matmul parameters x tokens`` plus attention's
-    ``12 x layers x heads x head_dim x seq x tokens``; an untied input embedding is a
-    lookup, not a matmul, so it is left out.
+    ``12 x layers x heads x head_dim x seq x tokens``. Norm scales and an untied input
+    embedding (a lookup) are not matmul parameters.
 
     Examples:
         >>> from examples.decoder import CONFIGS, model_flops
         >>> round(model_flops(CONFIGS["llama2-7b"], 1, 4096) / 1e12, 1)   # TFLOPs per sequence
-        171.3
+        188.8
     """
-    matmul = param_count(cfg) - (0 if cfg.tied else cfg.vocab * cfg.d_model)
+    d, h, k, hd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
+    matmul = cfg.layers * (2 * d * h * hd + 2 * d * k * hd + 3 * d * cfg.ffw) + cfg.vocab * d
     tokens = batch * seq
     return 6.0 * matmul * tokens + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq * tokens
 
