@@ -24,7 +24,8 @@ a script opts in by accepting them.
 Each compile runs in its own process (a large model's compile holds several
 GiB) through ``python -m dtensor.aot --json``, and its result is cached on
 disk (``$DTENSOR_CACHE_DIR`` or ``~/.cache/dtensor/fit``), keyed by the
-script's text, its arguments, the topology and the jax and libtpu versions:
+script's text, its arguments, the topology and the jax-dtensor, jax and
+libtpu versions:
 a second ``--fit`` reads them back at once.
 """
 
@@ -43,7 +44,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FitResult", "Rung", "fit", "ladder"]
+__all__ = ["FitError", "FitResult", "Rung", "fit", "ladder"]
+
+
+class FitError(ValueError):
+    """A script :func:`fit` cannot search."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,7 +149,9 @@ def _merge(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
 
 
 def _versions() -> str:
-    found = []
+    from dtensor.version import __version__
+
+    found = [f"jax-dtensor=={__version__}"]
     for dist in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
         try:
             found.append(f"{dist}=={metadata.version(dist)}")
@@ -228,6 +235,9 @@ def fit(
     Returns:
         A :class:`FitResult`; ``best`` is ``None`` when nothing fits.
 
+    Raises:
+        FitError: no such script.
+
     Examples:
         >>> from dtensor.tpu.search import fit
         >>> found = fit("examples/train.py", ["--strategy", "fully_sharded", "--model-size",
@@ -239,9 +249,7 @@ def fit(
     """
     path = Path(script)
     if not path.is_file():
-        from dtensor.tpu.aot import AotError
-
-        raise AotError(
+        raise FitError(
             f"fit: script {str(script)!r} does not exist (looked in {Path.cwd()}); give a "
             "training script with an aot_step hook, e.g. examples/train.py."
         )

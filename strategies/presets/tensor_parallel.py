@@ -306,6 +306,7 @@ class HybridStrategy(Strategy):
             remat_policy=self._policy,
             mixed_precision=self.mixed_precision,
             preset=type(self).__name__,
+            batch_axes=() if gather else self.batch_axes,
         )
 
     def rule_name(self, path: str, leaf: Any) -> str | None:

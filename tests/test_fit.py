@@ -1,0 +1,83 @@
+"""``python -m dtensor.aot --fit`` / ``dtensor.tpu.fit``: the option search on the TPU compiler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dtensor.tpu
+from dtensor.tpu import aot
+from dtensor.tpu.search import FitError, _merge, ladder
+
+DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
+ARGV = ["--strategy", "fully_sharded", "--model-size", "small", "--batch-size", "16"]
+ARGV += ["--seq-len", "512"]
+
+
+def test_ladder_order_and_flag_merging():
+    names = [r.name for r in ladder(ARGV)]
+    assert names == [
+        "as given",
+        "bf16",
+        "bf16 + remat",
+        "bf16 + remat (dots_saveable)",
+        "bf16 + remat + scan",
+        "bf16 + remat (dots_saveable) + scan",
+        "bf16 + remat + scan + offload optimizer",
+        "hybrid tensor=2 + bf16 + remat + scan",
+        "hybrid tensor=4 + bf16 + remat + scan",
+    ]
+    assert [r.name for r in ladder(["--strategy", "hybrid"])][-1] == (
+        "bf16 + remat + scan + offload optimizer"
+    )
+    merged = _merge(["--strategy", "fully_sharded", "--remat"], ladder(ARGV)[-1].flags)
+    assert merged[:2] == ["--strategy", "hybrid"] and merged.count("--remat") == 1
+    assert merged[merged.index("--tensor") + 1] == "4"
+
+
+def test_fit_refuses_a_missing_script(tmp_path):
+    with pytest.raises(FitError, match=r"fit: script '.*nope.py' does not exist"):
+        dtensor.tpu.fit(tmp_path / "nope.py", ARGV, topology="v5e:2x2")
+
+
+@pytest.mark.slow
+def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    first = dtensor.tpu.fit(DEMO, ARGV, topology="v5e:2x2", cache_dir=cache)
+    # Everything fits a v5e's 15.75 GiB as given: one compile, no further rung.
+    assert [t["name"] for t in first.tried] == ["as given"]
+    given = first.best
+    assert given["fits"] and given["peak_bytes_per_chip"] > 0
+    assert given["step_time_floor_seconds"] > 0 and 0 < given["mfu_ceiling"] <= 1
+
+    # Within half of that, the f32 step no longer fits; the search walks on to a fit.
+    budget = 0.5 * given["peak_bytes_per_chip"]
+    found = dtensor.tpu.fit(
+        DEMO, ARGV, topology="v5e:2x2", cache_dir=cache, max_bytes_per_chip=budget
+    )
+    assert found.tried[0]["cached"] and not found.tried[0]["fits"]
+    assert all(not t["cached"] for t in found.tried[1:])
+    best = found.best
+    assert best is not None and best["fits"] and best["peak_bytes_per_chip"] <= budget
+    fitting = [t for t in found.tried if t["fits"]]
+    assert best["step_time_floor_seconds"] == min(t["step_time_floor_seconds"] for t in fitting)
+    assert "--mixed-precision bf16" in found.command() and found.command().startswith(
+        "python -m dtensor.aot --topology v5e:2x2 -- "
+    )
+    # A second search is read back from the cache, with the same answer.
+    again = dtensor.tpu.fit(
+        DEMO, ARGV, topology="v5e:2x2", cache_dir=cache, max_bytes_per_chip=budget
+    )
+    assert all(t["cached"] for t in again.tried) and again.best["argv"] == best["argv"]
+
+    # The command line prints the choice and its command, and writes the JSON.
+    out = tmp_path / "fit.json"
+    gib = budget / (1 << 30)
+    argv = ["--topology", "v5e:2x2", "--fit", "--cache-dir", str(cache), "--max-gib", str(gib)]
+    assert aot.main([*argv, "--json", str(out), "--", DEMO, *ARGV]) == 0
+    printed = capsys.readouterr().out
+    assert found.command() in printed and "(cached)" in printed
+    saved = json.loads(out.read_text())
+    assert saved["command"] == found.command() and saved["best"]["peak_bytes_per_device"] > 0
