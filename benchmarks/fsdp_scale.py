@@ -307,7 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="2b,7b")
     p.add_argument("--topologies", default="v5e:4x4,v5p:2x2x2")
-    p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument(
+        "--options",
+        default=None,
+        help="options to measure, separated by ',' (or ';' where a name has a comma); default all",
+    )
     p.add_argument(
         "--cpu-sizes", default="tiny", help="sizes also compiled for 8 CPU devices ('' for none)"
     )
@@ -349,7 +353,9 @@ def main(argv: list[str] | None = None) -> None:
         batch = BATCH.get(size, args.batch) if topology != "cpu" else args.batch
         print("ROW " + json.dumps(measure(size, topology, option, batch, args.seq), sort_keys=True))
         return
-    options = [o.strip() for o in args.options.split(",") if o.strip()]
+    sep = ";" if args.options is not None and ";" in args.options else ","
+    given = args.options.split(sep) if args.options is not None else list(OPTIONS)
+    options = [o.strip() for o in given if o.strip()]
     unknown = [o for o in options if o not in OPTIONS]
     if unknown:
         p.error(f"--options: {unknown} are not options; valid: {', '.join(OPTIONS)}")
