@@ -178,6 +178,11 @@ class Report:
             step_floor=None if self.step_floor is None else self.step_floor.to_dict(),
             step_time_floor_seconds=self.step_time_floor_seconds,
             mfu_ceiling=self.mfu_ceiling,
+            min_comm_references=(
+                None
+                if self.min_comm_references is None
+                else dict(sorted(self.min_comm_references.items()))
+            ),
             variables=[v.to_dict() for v in self.variables],
             warnings=[w.to_dict() for w in self.warnings],
         )
