@@ -185,7 +185,8 @@ def minimum_for(
             shards[offset + i] = math.prod(sizes.get(a, 1) for a in data if a in layout_axes(v))
     replicas = math.prod(sizes.get(a, 1) for a in data)
     per_matmul = matmul_reference(jaxpr, shards, replicas)
-    return rest + min(zero, per_matmul), dict(zip(REFERENCE_NAMES, (zero, per_matmul), strict=True))
+    references = (rest + zero, rest + per_matmul)
+    return min(references), dict(zip(REFERENCE_NAMES, references, strict=True))
 
 
 def layout_axes(v: VariableInfo) -> set[str]:

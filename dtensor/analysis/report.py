@@ -75,9 +75,11 @@ class Report:
     ``peak_bytes_per_device`` is XLA's peak, ``arguments + temporaries +
     outputs - aliased`` (``None`` without a memory analysis);
     ``min_comm_references`` names the two references the minimum is the lower
-    of, for the variables split over the data axes (``None`` when there are
-    none): the weights gathered (ZeRO) and, per matmul, the cheaper of moving
-    the weight or the activations (:mod:`dtensor.analysis.minimum`).
+    of (``None`` when no variable is split over the data axes): the weights
+    gathered (ZeRO) and, per matmul, the cheaper of moving the weight or the
+    activations (:mod:`dtensor.analysis.minimum`); each counts the variables
+    not split over the data axes the same way, and neither the caller's
+    ``activation_bytes_min``.
     ``step_floor`` (a :class:`dtensor.analysis.floor.StepFloor`, ``None`` for
     a chip not in :data:`dtensor.analysis.hardware.CHIPS`) gives
     ``step_time_floor_seconds``; with ``model_flops`` (one call's model

@@ -258,13 +258,11 @@ def fit(
     tried: list[dict[str, Any]] = []
     found = False
     for rung in rungs if rungs is not None else ladder(argv):
-        if found and not rung.faster_than_previous:
-            break
-        if found and not tried[-1]["fits"]:
-            continue
         full = _merge(argv, rung.flags)
         if any(t["argv"] == full for t in tried):
-            continue
+            continue  # the options as given already include this rung's
+        if found and not rung.faster_than_previous:
+            break
         key = _key(path, full, topology, num_slices)
         file = cache / f"{key}.json"
         if file.exists():

@@ -268,7 +268,7 @@ class HybridStrategy(Strategy):
         integer = np.issubdtype(np.dtype(first.dtype), np.integer)
         tokens = math.prod(shape if integer else shape[:-1]) / self.num_replicas_in_sync
         total = 0.0
-        rows = 0
+        first_row = 0.0
         leaves = jax.tree_util.tree_leaves_with_path(
             state, is_leaf=lambda v: hasattr(v, "get_value")
         )
@@ -282,14 +282,14 @@ class HybridStrategy(Strategy):
             features = np.shape(value)[-1]
             if rule.startswith("megatron row") and p.endswith("kernel"):
                 total += 2 * tokens * features * item
-                rows += 1
+                first_row = first_row or tokens * features * item
             elif rule == "megatron vocab":
                 total += tokens * features * item
-        if rows and not integer:
+        if not integer:
             # The input of the first (column-parallel) layer is the batch, whose gradient
             # no one needs: its all-reduce in the backward pass never happens.
-            total -= tokens * shape[-1] * np.dtype(first.dtype).itemsize
-        return max(total, 0.0) * 2 * (t - 1) / t
+            total -= first_row
+        return total * 2 * (t - 1) / t
 
     def read_options(self) -> ReadOptions:
         """Gather ``fsdp``-split reads (``gather_at_read``), reshard, remat, casts."""
