@@ -84,7 +84,7 @@ def markdown(payload: dict[str, Any], topology: str) -> str:
         out.append(
             f"| {r['size']} | {name} | {r['peak_bytes_per_chip'] / gib:.1f} GiB "
             f"| {r['ideal_peak_bytes_per_device'] / gib:.1f} GiB "
-            f"| {'yes' if r['fits'] else '**no**'} | {r['comm_ratio']:.2f} "
+            f"| {'yes' if r['fits'] else '**no**'} | {_ratio(r)} "
             f"| {r['all_gather_bytes_per_device'] / gib:.1f} GiB | {reductions or '—'} |"
         )
     return "\n".join(out)
@@ -121,3 +121,12 @@ def side_by_side(payload: dict[str, Any]) -> str:
             f"| {'—' if not mfu else f'{mfu:.0%}'} |"
         )
     return "\n".join(out)
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    """comm / min, or against ZeRO's reference for rows measured before the lower bound."""
+    if row.get("comm_ratio") is not None:
+        return f"{row['comm_ratio']:.2f}"
+    if row.get("comm_ratio_vs_zero") is not None:
+        return f"{row['comm_ratio_vs_zero']:.2f} (vs ZeRO)"
+    return "—"

@@ -50,7 +50,8 @@ def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys
     assert [t["name"] for t in first.tried] == ["as given"]
     given = first.best
     assert given["fits"] and given["peak_bytes_per_chip"] > 0
-    assert given["step_time_floor_seconds"] > 0 and 0 < given["mfu_ceiling"] <= 1
+    # The character-level demo model gives no model FLOPs (its script's hook returns None).
+    assert given["step_time_floor_seconds"] > 0 and given["mfu_ceiling"] is None
 
     # Within half of that, the f32 step no longer fits; the search walks on to a fit.
     budget = 0.5 * given["peak_bytes_per_chip"]
