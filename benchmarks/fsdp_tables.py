@@ -28,6 +28,10 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
     ("gemma3-12b", "v5e:4x4", "bf16 + remat + scan"),
     ("llama2-70b", "v5p:4x4x4", "bf16 + remat + scan"),
     ("llama2-70b", "v5p:4x4x4", "hybrid tensor=4 + bf16 + remat + scan"),
+    # MaxText's libtpu: compiled in a venv with jax 0.12.0.1 + libtpu 0.0.52 (Python 3.13) by
+    # ``python -m benchmarks.fsdp_scale --row 7b v5e:4x4 "bf16 + remat + scan"``, the row
+    # merged into the results under this option name.
+    ("7b", "v5e:4x4", "bf16 + remat + scan (libtpu 0.0.52)"),
 ]
 
 #: The order ``--maxtext`` measures them in (the targets most in doubt first).
@@ -45,6 +49,8 @@ OPTION_TEXT = {
     "bf16 + remat": "`MixedPrecision()` + `remat=(Block,)`",
     "bf16 + remat + gather at reads": "`MixedPrecision()` + `remat=(Block,)` + `gather_at_read=True`",
     "bf16 + remat + scan": "`MixedPrecision()` + `remat=(Block,)`, layers in `nnx.scan`",
+    "bf16 + remat + scan (libtpu 0.0.52)": "`MixedPrecision()` + `remat=(Block,)` + scan, on "
+    "libtpu 0.0.52 (MaxText's)",
     "bf16 + remat + scan + offload": "`MixedPrecision()` + `remat=(Block,)` + scan + "
     "`offload_optimizer=True`",
     **{
