@@ -2,7 +2,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-fast lint demo bench docs docs-notebooks clean
+.PHONY: install test test-latest lint demo bench docs docs-notebooks clean
+
+# The newest end of the supported range: the newest CPython here (3.12+) with the newest
+# jax/jaxlib/flax/optax/orbax releases and the libtpu that jax pins.
+VENV_LATEST ?= .venv-latest
+LATEST_PY ?= $(shell .ci/newest-python)
+NEWEST := jax jaxlib flax optax orbax-checkpoint
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,6 +20,20 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+
+$(VENV_LATEST)/.installed: pyproject.toml
+	@test -n "$(LATEST_PY)" || { echo "make test-latest needs CPython >= 3.12"; exit 1; }
+	test -x $(VENV_LATEST)/bin/python || $(LATEST_PY) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade -e '.[test]' $(NEWEST)
+	touch $@
+
+# The whole suite again on the newest end of the range (a second venv).
+test-latest: $(VENV_LATEST)/.installed
+	@$(VENV_LATEST)/bin/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as o; \
+	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
+	        'flax', flax.__version__, 'optax', optax.__version__)"
+	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check dtensor strategies tests examples benchmarks
@@ -37,4 +57,4 @@ docs-notebooks: install
 	$(PY) docs/execute_notebooks.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info docs/_build
+	rm -rf $(VENV) $(VENV_LATEST) build dist *.egg-info docs/_build

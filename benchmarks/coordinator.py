@@ -1,4 +1,4 @@
-"""ClusterCoordinator throughput and staleness for 1, 2 and 6 workers.
+"""ClusterCoordinator throughput and staleness for 1, 2 and 6 workers, and across processes.
 
 The same ``ParameterServerStrategy`` over the 8 simulated CPU devices keeps
 the variables on 2 parameter devices; its 6 other devices form ``k`` worker
@@ -9,6 +9,11 @@ devices), after a warm-up that compiles every worker's step.
 Reported: closures per second (wall clock, median of ``--repeats``), the
 staleness of each committed update (how many other updates landed between its
 read of the parameters and its own), and the final loss.
+
+The multi-process rows run the same training as a job of processes
+(``dtensor.launch --ps 1 --workers K``, :mod:`benchmarks.coordinator_job`):
+closures per second and the bytes each closure moves between tasks (the
+snapshot it reads, the changes and gradients it commits, its output).
 
 Run: ``JAX_PLATFORMS=cpu python -m benchmarks.coordinator`` (writes
 ``benchmarks/results/coordinator.json`` and prints a table). On the shared
@@ -30,7 +35,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+if __name__ == "__main__":  # imported by benchmarks.coordinator_job: its devices are set already
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -112,14 +118,44 @@ def run(num_workers: int, closures: int, repeats: int) -> dict[str, object]:
     }
 
 
+def run_processes(num_workers: int, closures: int) -> dict[str, object]:
+    """The same training as a job of processes: chief + 1 ps + ``num_workers`` workers."""
+    import sys
+
+    from dtensor.runtime.launch import launch
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = open(os.devnull, "w")  # noqa: SIM115 - the launcher keeps the outputs
+    result = launch(
+        [sys.executable, "-m", "benchmarks.coordinator_job", "--closures", str(closures)],
+        2 + num_workers,
+        num_ps=1,
+        timeout_s=600,
+        env={"PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+        out=out,
+    )
+    line = next(ln for ln in result.outputs[0].splitlines() if ln.startswith("RESULT "))
+    row = json.loads(line[len("RESULT ") :])
+    row.update(workers=num_workers, processes=2 + num_workers)
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--closures", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 6])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument(
+        "--process-workers",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4],
+        help="worker counts of the multi-process rows (chief + 1 ps + K worker processes)",
+    )
     args = parser.parse_args(argv)
     rows = [run(k, args.closures, args.repeats) for k in args.workers]
+    process_rows = [run_processes(k, args.closures) for k in args.process_workers]
     result = {
         "benchmark": "coordinator",
         "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
@@ -127,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": f"MLP {DIN}-{HIDDEN}-1, Adam, batch {BATCH} per closure, 2 parameter devices",
         "jax": jax.__version__,
         "rows": rows,
+        "process_rows": process_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -156,6 +193,29 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['final_loss']:.4f}",
         )
     Console().print(table)
+    base = rows[0]["closures_per_s"] if rows else float("nan")
+    procs = Table(title="Across processes (chief + 1 ps + K workers, 1 CPU device each)")
+    for col in (
+        "workers",
+        "closures/s",
+        "vs 1-process 1 worker",
+        "bytes/closure",
+        "staleness mean",
+        "max",
+        "final loss",
+    ):
+        procs.add_column(col, justify="right")
+    for r in process_rows:
+        procs.add_row(
+            str(r["workers"]),
+            f"{r['closures_per_s']:.1f}",
+            f"{r['closures_per_s'] / base:.2f}x",
+            f"{r['bytes_per_closure']:.0f}",
+            f"{r['staleness_mean']:.2f}",
+            str(r["staleness_max"]),
+            f"{r['final_loss']:.4f}",
+        )
+    Console().print(procs)
     print(f"wrote {args.out}")
 
 

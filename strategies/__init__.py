@@ -6,9 +6,10 @@ from strategies.base import Strategy as Strategy
 from strategies.context import get_replica_context as get_replica_context
 from strategies.context import in_cross_replica_context as in_cross_replica_context
 from strategies.coordinator import ClusterCoordinator as ClusterCoordinator
-from strategies.coordinator_values import PerWorkerValues as PerWorkerValues
-from strategies.coordinator_values import RemoteValue as RemoteValue
-from strategies.coordinator_values import WorkerFailure as WorkerFailure
+from strategies.coordinator import PerWorkerValues as PerWorkerValues
+from strategies.coordinator import RemoteValue as RemoteValue
+from strategies.coordinator import WorkerFailure as WorkerFailure
+from strategies.coordinator import remote_function as remote_function
 from strategies.cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
 from strategies.cross_device_ops import CommunicationImplementation as CommunicationImplementation
 from strategies.cross_device_ops import CommunicationOptions as CommunicationOptions
@@ -85,4 +86,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "remote_function",
 ]

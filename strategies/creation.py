@@ -9,6 +9,15 @@ construction returns, its variables are placed by the strategy's policies
 (with their paths, so path rules apply). Objects built under a JAX trace
 (``nnx.eval_shape``, ``jax.jit``) are left alone.
 
+Checked again on flax 0.12.12 (the newest release in the tested range), none of
+its hooks serves: ``nnx.use_eager_sharding`` places a Variable only when it
+carries ``out_sharding`` metadata; ``nnx.var_defaults`` sets only ``hijax`` and
+``ref``; the per-Variable ``on_create_value`` hooks are deprecated (Flax warns
+at every use), must be passed to each Variable by the layer that creates it
+(``nnx.Linear`` passes none), and run before the Variable has a path, so the
+strategy's path rules could not apply there either. Layout needs the finished
+module tree, which only the end of the outermost construction gives.
+
 The patch is thread-safe and re-entrant (a count under a lock; each thread
 sees only its own strategy, other threads call straight through), it
 restores exactly what it found, and :func:`check_flax_supported` (run by the

@@ -19,6 +19,7 @@ from dtensor.analysis.hlo import (
     parse_replica_groups,
     ring_bytes,
 )
+from dtensor.analysis.hlo_text import computations, multipliers
 
 F32 = 4
 # MLP parameters: w1 16x32, b1 32, w2 32x4 -> 672 floats.
@@ -476,6 +477,49 @@ def test_parse_collectives_on_handwritten_hlo():
     assert [c.name for c in cs if c.kind == "all-gather"] == ["ags"]
     # Without a mesh, axes are unknown but sizes and bytes are not.
     assert {c.mesh_axes for c in parse_collectives(HLO, None, num_devices=8)} == {()}
+
+
+LOOP_HLO = """HloModule loops
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %cp = f32[4]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4]{0}) tuple(%p, %cp)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] COMPARE
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %c0 = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%c0, %a)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "compare",
+    [
+        "compare(%i, %n), direction=LT",  # jaxlib's CPU/TPU text
+        "compare(s32[] %i, s32[] %n), direction=LT",  # operands printed with their types
+        "compare(%p#0, %n), direction=LT",  # newer libtpu: a tuple element of the parameter
+        "compare(%n, %i), direction=GT",
+    ],
+)
+def test_while_trip_count_read_from_the_loop_condition(compare):
+    """Optimised TPU HLO drops known_trip_count; the count comes from ``counter < N``."""
+    comps, entry = computations(LOOP_HLO.replace("COMPARE", compare))
+    assert multipliers(comps, entry)["body"] == 7
+    (c,) = parse_collectives(LOOP_HLO.replace("COMPARE", compare), None, num_devices=2)
+    assert c.count == 7
 
 
 def test_byte_helpers():

@@ -1,4 +1,4 @@
-"""The tutorial notebooks run end to end (nbclient), and are stored as generated.
+"""The tutorial notebooks run end to end (nbclient), and match their MyST sources.
 
 Each notebook executes in a fresh IPython kernel on this interpreter (a
 kernelspec written for the test, so a user's own Jupyter set-up cannot pick
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import runpy
 import sys
 from pathlib import Path
 
+import jupytext
 import nbclient
 import nbformat
 import pytest
@@ -45,19 +45,22 @@ def test_every_notebook_is_found():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_stored_as_generated_without_outputs(path):
-    make_notebooks = runpy.run_path(
-        str(NOTEBOOK_DIR / "make_notebooks.py"), run_name="make_notebooks"
-    )
+def test_notebook_is_paired_with_its_myst_source_and_stored_without_outputs(path):
+    """The MyST markdown beside each notebook is its source (jupytext pairs them)."""
+    source = path.with_suffix(".md")
+    assert source.exists(), f"{path.name} has no MyST source {source.name}"
     stored = nbformat.read(path, as_version=4)
     for cell in stored.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
-    expected = make_notebooks["build"](make_notebooks["NOTEBOOKS"][path.name])
-    assert [c.source for c in stored.cells] == [c.source for c in expected.cells], (
-        f"{path.name} differs from notebooks/make_notebooks.py; regenerate it with "
-        ".venv/bin/python notebooks/make_notebooks.py"
+    paired = jupytext.read(source)
+    assert [(c.cell_type, c.source) for c in stored.cells] == [
+        (c.cell_type, c.source) for c in paired.cells
+    ], (
+        f"{path.name} differs from its source {source.name}; after editing the .md, run "
+        f".venv/bin/jupytext --sync notebooks/{source.name}"
     )
+    assert stored.metadata.get("jupytext", {}).get("formats") == "ipynb,md:myst"
 
 
 def _kernel_manager(tmp_path: Path) -> AsyncKernelManager:

@@ -204,15 +204,24 @@ def test_call_with_layout_gives_partial_contraction():
         np.testing.assert_allclose(dtensor.relayout(m, Layout([None, "y"], mesh)), 2 * a_host)
 
 
-def test_partial_to_partial_moves_blocks():
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_partial_to_partial_moves_blocks(op):
     mesh = _mesh()
-    src = Layout.partial(mesh, "x", rank=2, op="min")
-    blocks = [np.full((4, 4), i, np.float32) for i in range(8)]
-    x = dtensor.pack([blocks[i - i % 2] for i in range(8)], src)
-    moved = dtensor.relayout(x, Layout.partial(mesh, "x", sharding_specs=["y", None], op="min"))
-    assert dtensor.fetch_layout(moved).sharding_specs == ("y", UNSHARDED)
-    np.testing.assert_array_equal(
-        dtensor.relayout(moved, Layout([None, None], mesh)), np.zeros((4, 4))
+    src = Layout.partial(mesh, "x", rank=2, op=op)
+    rng = np.random.default_rng(0)
+    per_x = [rng.normal(size=(4, 4)).astype(np.float32) for _ in range(4)]
+    # mesh order: device i sits at x = i // 2, y = i % 2; copies along y are equal
+    x = dtensor.pack([per_x[i // 2] for i in range(8)], src)
+    target = Layout.partial(mesh, "x", sharding_specs=["y", None], op=op)
+    moved = dtensor.relayout(x, target)
+    assert dtensor.fetch_layout(moved) == target
+    # each device keeps its own block, cut to its half along y (no reduction happened)
+    for i, block in enumerate(dtensor.unpack(moved)):
+        half = slice(2 * (i % 2), 2 * (i % 2) + 2)
+        np.testing.assert_array_equal(np.asarray(block), per_x[i // 2][half])
+    dense = NUMPY[ReduceOp(op)](np.stack(per_x), axis=0)
+    np.testing.assert_allclose(
+        np.asarray(dtensor.relayout(moved, Layout([None, None], mesh))), dense, rtol=1e-6
     )
 
 

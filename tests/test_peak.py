@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import types
 
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import dtensor
 import strategies
@@ -88,49 +88,44 @@ def test_ideal_formula_and_the_strategy_hook():
     assert s.ideal_peak_bytes(terms) == 100 + 50 + 800 + 70 + 5
 
 
-class _FullFSDP(strategies.FullyShardedStrategy):
-    """The FSDP options as DESIGN.md names them (whatever today's preset takes)."""
+class _FSDPWithoutOptions(strategies.FullyShardedStrategy):
+    """A preset whose constructor takes none of the memory options (as older presets did)."""
 
-    def __init__(
-        self,
-        devices=None,
-        *,
-        reshard_after_forward=True,
-        mixed_precision=None,
-        remat=None,
-        offload_optimizer=False,
-    ):
+    def __init__(self, devices=None):
         super().__init__(devices)
-        self.reshard_after_forward = reshard_after_forward
-        self.mixed_precision = mixed_precision
-        self.remat = remat
-        self.offload_optimizer = offload_optimizer
 
 
 def test_advice_names_what_helps_for_the_preset_in_use():
     mirrored = memory_advice(strategies.MirroredStrategy())
     assert "FullyShardedStrategy" in mirrored and "shard them" in mirrored
-    today = memory_advice(strategies.FullyShardedStrategy())
-    assert "FullyShardedStrategy" not in today and "Shard the variables" not in today
-    assert "more chips" in today and "smaller batch" in today
-    if "remat" not in inspect.signature(strategies.FullyShardedStrategy).parameters:
-        assert "nnx.remat" in today and "bfloat16 compute in the model" in today
-    full = memory_advice(_FullFSDP())
+    default = memory_advice(strategies.FullyShardedStrategy())
+    assert "FullyShardedStrategy" not in default and "Shard the variables" not in default
+    assert "more chips" in default and "smaller batch" in default
     assert (
-        "remat=(YourBlock,)" in full
-        and "mixed_precision=" in full
-        and "offload_optimizer=True" in full
+        "remat=(YourBlock,)" in default
+        and "mixed_precision=" in default
+        and "offload_optimizer=True" in default
     )
-    assert "reshard_after_forward" not in full  # already on
+    assert "reshard_after_forward" not in default  # already on by default
+    assert "nnx.remat" not in default  # the preset's own option is named instead
     on = memory_advice(
-        _FullFSDP(remat=(object,), mixed_precision=object(), reshard_after_forward=False)
+        strategies.FullyShardedStrategy(
+            remat=(nnx.Linear,),
+            mixed_precision=strategies.MixedPrecision(),
+            reshard_after_forward=False,
+            offload_optimizer=True,
+        )
     )
-    assert (
-        "remat=" not in on and "mixed_precision=" not in on and "reshard_after_forward=True" in on
-    )
+    assert "remat=" not in on and "mixed_precision=" not in on and "offload_optimizer" not in on
+    assert "reshard_after_forward=True" in on
+    # Where a preset lacks an option, the model-side equivalent is named instead.
+    bare = memory_advice(_FSDPWithoutOptions())
+    assert "nnx.remat" in bare and "bfloat16 compute in the model" in bare
+    assert "remat=(YourBlock,)" not in bare and "offload_optimizer" not in bare
     assert "gather_at_read=True" in memory_advice(
         strategies.FullyShardedStrategy(gather_at_read=False)
     )
+    assert "gather_at_read" not in default
 
 
 def test_verdicts_carry_the_advice():

@@ -280,7 +280,10 @@ def _trip_from_condition(comps: dict[str, list[Instr]], ins: Instr) -> int:
     for c in cond:
         if c.opcode != "compare":
             continue
-        ops = re.findall(r"%?([\w.\-]+)", c.rest.split(")", 1)[0])
+        # Operand names: ``%a`` or ``s32[] %a``, and a tuple element written ``%param.98#0``
+        # (newer libtpu); without ``%`` sigils, the bare names.
+        head = c.rest.split(")", 1)[0]
+        ops = re.findall(r"%([\w.\-]+)", head) or re.findall(r"([A-Za-z_][\w.\-]*)", head)
         if len(ops) < 2:
             continue
         if "direction=LT" in c.rest and ops[1] in consts:

@@ -159,8 +159,8 @@ def _split(aval: Any, replicas: int) -> int:
 FUSED = frozenset(
     """abs add add_any and broadcast_in_dim ceil clamp convert_element_type copy copy_p cos
     div eq erf erf_inv exp exp2 expand_dims expm1 floor ge gt integer_pow iota is_finite le
-    log log1p logistic lt max min mul ne neg not or pow reduce_precision rem reshape round
-    rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh xor""".split()
+    log log1p logistic lt max min mul ne neg not one_minus_square or pow reduce_precision rem
+    reshape round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh xor""".split()
 )
 
 

@@ -54,7 +54,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtensor.checkpoint import integrity
+from dtensor.checkpoint import integrity, processes
 from dtensor.checkpoint.canonical import canon, rebuild
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.checkpoint.handler import checksum_args
@@ -67,6 +67,17 @@ __all__ = ["Checkpointer", "CheckpointError"]
 
 _STATE, _MANIFEST = "state", "manifest"
 _TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _multiprocessing(ocp: Any) -> dict[str, Any]:
+    """Orbax's options for a save by this process alone (see :mod:`dtensor.checkpoint.processes`)."""
+    if not processes.solo():
+        return {}
+    me = jax.process_index()
+    options = ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"dtensor-solo-{me}"
+    )
+    return {"multiprocessing_options": options}
 
 
 def _ocp() -> Any:
@@ -133,12 +144,15 @@ class Checkpointer:
                 f"save_interval_steps={save_interval_steps!r} is not valid; use a positive int."
             )
         cm = ocp.checkpoint_managers
+        if processes.solo() and create:  # orbax leaves this to us when one process saves alone
+            self.directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            create=create,
+            create=create and not processes.solo(),
             enable_async_checkpointing=True,  # sync saves wait; the commit hook needs this
             save_decision_policy=cm.FixedIntervalPolicy(save_interval_steps),
             preservation_policy=cm.LatestN(n=max_to_keep),
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files),
+            **_multiprocessing(ocp),
         )
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
@@ -147,12 +161,19 @@ class Checkpointer:
         self.restored_step: int | None = None
         self._pending: int | None = None
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        for item, save_args, restore_args in (
-            (_STATE, ocp.args.StandardSave, ocp.args.StandardRestore),
-            (_MANIFEST, ocp.args.JsonSave, ocp.args.JsonRestore),
+        solo = _multiprocessing(ocp)  # handlers of a save by this process alone need it too
+        for item, save_args, restore_args, handler in (
+            (
+                _STATE,
+                ocp.args.StandardSave,
+                ocp.args.StandardRestore,
+                ocp.StandardCheckpointHandler,
+            ),
+            (_MANIFEST, ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
         ):
-            registry.add(item, save_args)
-            registry.add(item, restore_args)
+            instance = handler(**solo) if solo else None
+            registry.add(item, save_args, instance)
+            registry.add(item, restore_args, instance)
         registry.add(integrity.CHECKSUMS, checksum_args())
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=registry
@@ -229,8 +250,8 @@ class Checkpointer:
             "format": 1,
             "algorithm": "crc32",
             "step": step,
-            "process_index": jax.process_index(),
-            "process_count": jax.process_count(),
+            "process_index": processes.process_index(),
+            "process_count": processes.process_count(),
             "arrays": integrity.shard_checksums(arrays),
         }
         args = ocp.args.Composite(

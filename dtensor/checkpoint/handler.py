@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any
 
-import jax
+from dtensor.checkpoint import processes
 
 __all__ = ["checksum_args"]
 
@@ -28,11 +28,11 @@ def checksum_args() -> type:
 
         def save(self, directory: Any, *args: Any, **kwargs: Any) -> None:
             item = kwargs["args"].item
-            path = directory / f"process_{jax.process_index()}.json"
+            path = directory / f"process_{processes.process_index()}.json"
             path.write_text(json.dumps(item, sort_keys=True))
 
         def restore(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
-            return json.loads((directory / f"process_{jax.process_index()}.json").read_text())
+            return json.loads((directory / f"process_{processes.process_index()}.json").read_text())
 
     @ocp.args.register_with_handler(ChecksumHandler, for_save=True)
     @dataclasses.dataclass

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor.checkpoint import processes
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.core.tree import path_str
 
@@ -84,7 +85,7 @@ def shard_checksums(tree: Any) -> Records:
                 for s in leaf.addressable_shards
                 if s.replica_id == 0
             )
-        elif jax.process_index() == 0:
+        elif processes.process_index() == 0:
             a = np.asarray(leaf)
             tasks.append((p, [[0, n] for n in a.shape], a))
     sums = _parallel(lambda t: _crc_bytes(np.asarray(t[2])), tasks)
@@ -273,7 +274,7 @@ def check_arrays(tree: Any, records: Records) -> tuple[list[tuple[str, dict[str,
 
 def agree(count: int) -> int:
     """The largest ``count`` over all processes (every process sees the same verdict)."""
-    if jax.process_count() == 1:
+    if processes.process_count() == 1:
         return count
     from jax.experimental import multihost_utils
 

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor.checkpoint import processes
 from dtensor.checkpoint.canonical import as_host, host_kind, is_key, key_impl, shape_dtype
 from dtensor.core.arrays import fetch_layout
 from dtensor.core.layout import Layout
@@ -85,7 +86,7 @@ def prepare_save(canon: Any, step: int) -> tuple[Any, dict[str, Any]]:
         "format": MANIFEST_FORMAT,
         "step": step,
         "time": time.time(),
-        "process_count": jax.process_count(),
+        "process_count": processes.process_count(),
         "device_count": jax.device_count(),
         "mesh": meshes[0] if meshes else None,
         "meshes": meshes,

@@ -353,7 +353,10 @@ def call_per_device(
         missing = tuple(a for a in layout.partial_axes if a not in varying)
         if missing:
             out = jax.lax.pcast(out, missing, to="varying")
-        return out if is_native(layout) else out[None]
+        if not is_native(layout):
+            return out[None]
+        # Typed unreduced over the partial axes, as the out_specs say (jax >= 0.12 checks it).
+        return jax.lax.pcast(out, tuple(layout.partial_axes), to="unreduced")
 
     out_spec = (
         unreduced_sharding(layout).spec

@@ -157,6 +157,7 @@ class _Job:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.status_dir = status_dir
         self.ended: list[tuple[int, int]] = []  # (rank, status) in the order seen
+        self.tolerate: frozenset[int] = frozenset()  # ranks whose failure is not the job's
 
     def poll(self) -> bool:
         """Note processes that ended (writing their status for the others); whether any run."""
@@ -173,7 +174,7 @@ class _Job:
 
     def first_failure(self) -> tuple[int, int] | None:
         """The first failure (rank, status), a cause preferred over a 75 (a lost peer's echo)."""
-        failures = [(r, _status(c)) for r, c in self.ended if c != 0]
+        failures = [(r, _status(c)) for r, c in self.ended if c != 0 and r not in self.tolerate]
         causes = [f for f in failures if f[1] != EXIT_PEER_LOST]
         return (causes or failures or [None])[0]
 
@@ -224,6 +225,8 @@ def launch(
     report_s: float = 10.0,
     stop_on_failure: bool = True,
     out: IO[str] | None = None,
+    num_ps: int | None = None,
+    restart_workers: int = 0,
 ) -> LaunchResult:
     """Run ``cmd`` as ``num_processes`` local processes of one JAX job.
 
@@ -245,6 +248,15 @@ def launch(
         stop_on_failure: stop the other processes when one fails (``False``
             lets each end by itself, e.g. to see how the others react).
         out: where to stream the prefixed output (default ``sys.stdout``).
+        num_ps: start a parameter-server job: process 0 is the ``chief``, the
+            next ``num_ps`` are ``ps`` tasks and the rest ``worker`` tasks
+            (``DTENSOR_TASK_TYPE``/``DTENSOR_TASK_INDEX``/``DTENSOR_NUM_PS``/
+            ``DTENSOR_NUM_WORKERS``, read by
+            :func:`dtensor.runtime.join_cluster`). A worker that fails does not
+            stop the job (the chief runs its closures elsewhere); the job's
+            status is the chief's, or a ``ps`` task's failure.
+        restart_workers: with ``num_ps``, how many times in all a failed
+            worker is started again (it rejoins the job).
 
     Returns:
         A :class:`LaunchResult`.
@@ -279,24 +291,46 @@ def launch(
     base[ENV_STATUS_DIR] = str(job.status_dir)
     sinks: list[list[str]] = [[] for _ in range(num_processes)]
     pumps: list[threading.Thread] = []
+    roles = _roles(num_processes, num_ps)
+    if num_ps is not None:  # a parameter-server job: a worker's failure is not the job's
+        job.tolerate = frozenset(r for r, (kind, _) in enumerate(roles) if kind == "worker")
+    restarts = restart_workers
     failed = False
     timed_out = False
     before_timeout: tuple[int, int] | None = None
     try:
-        for rank in range(num_processes):
+
+        def start(rank: int) -> subprocess.Popen[bytes]:
             proc_env = dict(base, **{ENV_PROCESS_ID: str(rank)})
+            if num_ps is not None:
+                proc_env.update(_role_env(roles[rank], num_ps, num_processes - 1 - num_ps))
             p = subprocess.Popen(
                 argv, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
-            job.procs.append(p)
             assert p.stdout is not None
             t = threading.Thread(
                 target=_pump, args=(rank, p.stdout, sinks[rank], sink, lock), daemon=True
             )
             t.start()
             pumps.append(t)
+            return p
+
+        for rank in range(num_processes):
+            job.procs.append(start(rank))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while job.poll():
+        while job.poll() or (num_ps is not None and job.procs[0].poll() is None):
+            for rank, code in list(job.ended):
+                if rank in job.tolerate and code != 0 and restarts > 0:
+                    restarts -= 1
+                    job.ended.remove((rank, code))
+                    with contextlib.suppress(OSError):
+                        (job.status_dir / f"{rank}.status").unlink()
+                    _note(
+                        sink,
+                        lock,
+                        f"rank {rank} ({roles[rank][0]} {roles[rank][1]}) {describe(code)}; restarting it",
+                    )
+                    job.procs[rank] = start(rank)
             first = job.first_failure()
             if first is not None and not failed:
                 failed = True
@@ -342,6 +376,31 @@ def launch(
     )
 
 
+def _roles(num_processes: int, num_ps: int | None) -> list[tuple[str, int]]:
+    """Each rank's (task type, index): chief, then ps, then workers (``worker i`` without ps)."""
+    if num_ps is None:
+        return [("worker", r) for r in range(num_processes)]
+    if num_ps < 1 or num_processes - 1 - num_ps < 1:
+        raise ValueError(
+            f"a parameter-server job needs at least one ps and one worker besides the chief; "
+            f"got num_ps={num_ps} of {num_processes} processes. Use e.g. --ps 1 --workers 2."
+        )
+    return (
+        [("chief", 0)]
+        + [("ps", i) for i in range(num_ps)]
+        + [("worker", i) for i in range(num_processes - 1 - num_ps)]
+    )
+
+
+def _role_env(role: tuple[str, int], num_ps: int, num_workers: int) -> dict[str, str]:
+    return {
+        "DTENSOR_TASK_TYPE": role[0],
+        "DTENSOR_TASK_INDEX": str(role[1]),
+        "DTENSOR_NUM_PS": str(num_ps),
+        "DTENSOR_NUM_WORKERS": str(num_workers),
+    }
+
+
 def _note(out: IO[str], lock: threading.Lock, message: str) -> None:
     with lock:
         out.write(f"[dtensor.launch] {message}\n")
@@ -353,7 +412,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dtensor.launch",
         description="Start N local processes of one JAX job (coordinator on 127.0.0.1).",
     )
-    p.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    p.add_argument("-n", "--num-processes", type=int, default=None, help="processes to start")
+    p.add_argument("--ps", type=int, default=None, help="parameter-server job: ps tasks")
+    p.add_argument("--workers", type=int, default=None, help="parameter-server job: worker tasks")
+    p.add_argument(
+        "--restart-workers", type=int, default=0, help="times a failed worker is started again"
+    )
     p.add_argument(
         "--devices-per-process", type=int, default=None, help="CPU devices each one simulates"
     )
@@ -389,10 +453,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(128 + signum)  # unwinds launch(), which stops the processes
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    num_processes, num_ps = args.num_processes, args.ps
+    if (args.ps is None) != (args.workers is None):
+        parser.error("--ps and --workers go together (a chief is added): e.g. --ps 1 --workers 2")
+    if args.ps is not None:
+        num_processes = 1 + args.ps + args.workers
+    if num_processes is None:
+        parser.error("give -n N (processes), or --ps N --workers M (a parameter-server job)")
     try:
         result = launch(
             cmd,
-            args.num_processes,
+            num_processes,
+            num_ps=num_ps,
+            restart_workers=args.restart_workers,
             devices_per_process=args.devices_per_process,
             port=args.port,
             timeout_s=args.timeout,

@@ -88,13 +88,18 @@ def die(message: str, code: int = EXIT_PEER_LOST, *, claimed: bool = False) -> N
         os._exit(code)
 
 
-def lost_message(me: int, n: int, loss: Loss, address: str | None) -> str:
+def lost_message(
+    me: int, n: int, loss: Loss, address: str | None, names: dict[int, str] | None = None
+) -> str:
     """The one line a process prints when it stops because it lost ``loss.process``."""
     if loss.process is None:
         return f"dtensor.runtime: process {me} of {n} stopped by dtensor.launch: {loss.what}."
     who = f"process {loss.process}"
+    role = (names or {}).get(loss.process)
     if loss.process == 0:
-        who += f" (the coordinator at {address})"
+        who += f" ({role + ', ' if role else ''}the coordinator at {address})"
+    elif role:
+        who += f" ({role})"
     return (
         f"dtensor.runtime: process {me} of {n} lost {who}: it {loss.what}. Stopping process "
         f"{me} with exit status {EXIT_PEER_LOST} (a peer was lost) so the job fails instead of "
@@ -153,6 +158,8 @@ class PeerMonitor:
         self._seen: dict[int, tuple[str | None, float]] = {}
         self._first_seen_exit: dict[int, float] = {}
         self._first_seen_status: dict[int, float] = {}
+        self.tolerate: frozenset[int] = frozenset()  # processes whose loss is not fatal
+        self.names: dict[int, str] = {}  # how messages name processes ("ps 0")
         self.thread = threading.Thread(target=self._run, name="dtensor-peers", daemon=True)
 
     @classmethod
@@ -229,6 +236,7 @@ class PeerMonitor:
             if status == EXIT_PREEMPTED and now - first < self.timeout:
                 continue
             found.append(Loss(i, describe(status), status, coordinator=i == 0))
+        found = [f for f in found if f.process not in self.tolerate]
         causes = [f for f in found if f.status != EXIT_PEER_LOST]
         if causes or found:
             return (causes or found)[0]
@@ -242,7 +250,11 @@ class PeerMonitor:
         stale = [
             i
             for i, (value, when) in sorted(self._seen.items())
-            if i != self.me and value != _DONE and i not in self.done and now - when > self.timeout
+            if i != self.me
+            and i not in self.tolerate
+            and value != _DONE
+            and i not in self.done
+            and now - when > self.timeout
         ]
         if stale:
             return Loss(
@@ -251,6 +263,14 @@ class PeerMonitor:
                 coordinator=stale[0] == 0,
             )
         return None
+
+    def _gone_tolerated(self) -> set[int]:
+        """Tolerated processes (workers) that ended or went silent: nobody waits for them."""
+        if not self.tolerate:
+            return set()
+        now = time.monotonic()
+        silent = {i for i, (_, when) in self._seen.items() if now - when > 3 * self.period + 1}
+        return silent & set(self.tolerate)
 
     # ------------------------------------------------------------ acting
     def _run(self) -> None:
@@ -277,7 +297,7 @@ class PeerMonitor:
         """Report ``loss`` in one line and end this process (75, or 124 if the launcher stopped it)."""
         _claim()
         code = EXIT_TIMEOUT if loss.process is None else EXIT_PEER_LOST
-        message = lost_message(self.me, self.n, loss, self.address)
+        message = lost_message(self.me, self.n, loss, self.address, self.names)
         if store_ok:
             if loss.process is None:
                 self.record(code, "was stopped by dtensor.launch")
@@ -303,7 +323,7 @@ class PeerMonitor:
             with contextlib.suppress(Exception):
                 self._poll_store()
             statuses, _ = self._launcher_statuses()
-            gone = set(self.exits) | set(statuses) | self.done | {self.me}
+            gone = set(self.exits) | set(statuses) | self.done | {self.me} | self._gone_tolerated()
             if len(gone) >= self.n:
                 return
             time.sleep(min(0.2, self.period))
@@ -333,7 +353,7 @@ class PeerMonitor:
             self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
         deadline = time.monotonic() + wait_s
         while self.thread.is_alive() and time.monotonic() < deadline:
-            if len(self.done | {self.me}) >= self.n:
+            if len(self.done | {self.me} | self._gone_tolerated()) >= self.n:
                 break
             time.sleep(min(0.2, self.period))
         self.stop.set()
@@ -387,7 +407,7 @@ def _on_abort(signum: int) -> None:
         loss = monitor.diagnose(store_down=down)
         if loss is None:
             return
-        die(lost_message(monitor.me, monitor.n, loss, monitor.address))
+        die(lost_message(monitor.me, monitor.n, loss, monitor.address, monitor.names))
     except Exception:  # never raise inside a signal handler; let the abort go on
         return
 

@@ -16,7 +16,7 @@ XLA's collectives: gloo on CPU, NCCL on GPU, ICI/DCN on TPU). What it adds:
   stops heartbeating is noticed within ``heartbeat_timeout_s``; the
   coordinator's death is noticed at once. Every other process then prints
   one line naming the lost process and what happened, and exits with status
-  :data:`EXIT_PEER_LOST` (:mod:`dtensor.runtime.peers`; every status is
+  :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` (:mod:`dtensor.runtime.peers`; every status is
   listed in :mod:`dtensor.runtime.exit_codes`).
 """
 
@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,36 +38,17 @@ import jax
 from dtensor import compat
 from dtensor.runtime import peers
 
-__all__ = [
-    "ClusterConfigError",
-    "ClusterSpec",
-    "DistributedRuntimeError",
-    "ENV_COORDINATOR",
-    "ENV_DEVICES_PER_PROCESS",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "EXIT_PEER_LOST",
-    "barrier",
-    "client_id",
-    "initialize",
-    "is_initialized",
-    "num_clients",
-    "parse_tf_config",
-    "resolve_cluster",
-    "shutdown",
-]
+__all__ = ["barrier", "client_id", "initialize", "is_initialized", "num_clients", "shutdown"]
 
-from dtensor.runtime.cluster import ENV_COORDINATOR as ENV_COORDINATOR
-from dtensor.runtime.cluster import ENV_DEVICES_PER_PROCESS as ENV_DEVICES_PER_PROCESS
-from dtensor.runtime.cluster import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
-from dtensor.runtime.cluster import ENV_PROCESS_ID as ENV_PROCESS_ID
-from dtensor.runtime.cluster import EXIT_PEER_LOST as EXIT_PEER_LOST
-from dtensor.runtime.cluster import LAUNCHER_SOURCE, int_env
-from dtensor.runtime.cluster import ClusterConfigError as ClusterConfigError
-from dtensor.runtime.cluster import ClusterSpec as ClusterSpec
-from dtensor.runtime.cluster import DistributedRuntimeError as DistributedRuntimeError
-from dtensor.runtime.cluster import parse_tf_config as parse_tf_config
-from dtensor.runtime.cluster import resolve_cluster as resolve_cluster
+from dtensor.runtime.cluster import (
+    ENV_DEVICES_PER_PROCESS,
+    LAUNCHER_SOURCE,
+    ClusterConfigError,
+    ClusterSpec,
+    DistributedRuntimeError,
+    int_env,
+    resolve_cluster,
+)
 
 
 # ------------------------------------------------------------------ runtime
@@ -155,6 +137,8 @@ def initialize(
     heartbeat_timeout_s: float = 15,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
+    tolerate: Sequence[int] = (),
+    names: Mapping[int, str] | None = None,
 ) -> ClusterSpec | None:
     """Join this process to a multi-process job (a no-op for a single process).
 
@@ -182,16 +166,18 @@ def initialize(
             join before failing.
         heartbeat_timeout_s: how long a silent process (killed, hung) may go
             before the others declare it lost and exit with
-            :data:`EXIT_PEER_LOST` (with the default, a killed process is
+            :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` (with the default, a killed process is
             named within about 20 s; under :mod:`dtensor.launch`, which
             reports its status, within about a second). A process that ends
             with a non-zero ``sys.exit(N)`` or an uncaught exception, and the
             coordinator's death, are noticed at once (about a second).
         shutdown_timeout_s: how long a finished process waits at exit for
             the others to finish too (JAX's shutdown barrier); it stops
-            waiting, with :data:`EXIT_PEER_LOST`, as soon as one of them is
+            waiting, with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`, as soon as one of them is
             lost.
         summary: print the cluster table on process 0.
+        tolerate: processes whose loss does not stop this one (the workers of a ps job).
+        names: how messages name processes (``{1: "ps 0"}``).
 
     Returns:
         The resolved cluster, or ``None`` for a single process.
@@ -202,7 +188,7 @@ def initialize(
             coordinator cannot be reached within ``timeout_s`` or its port is
             taken. (When not every process joins within ``timeout_s``, the
             waiting ones print who they waited for and exit with
-            :data:`EXIT_PEER_LOST`: JAX cannot be interrupted there.)
+            :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`: JAX cannot be interrupted there.)
 
     Examples:
         >>> import dtensor
@@ -249,6 +235,8 @@ def initialize(
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
         )
+        if _state.monitor is not None:  # before any loss can matter: no step has run yet
+            _state.monitor.tolerate, _state.monitor.names = frozenset(tolerate), dict(names or {})
         _state.initialized, _state.spec = True, spec
         _state.shutdown_timeout_s = shutdown_timeout_s
         _state.previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
@@ -460,6 +448,11 @@ def barrier(name: str, *, timeout_s: float = 60) -> None:
             "path through the program, or failed; raise timeout_s or make every process call "
             f"barrier({name!r}) in the same order. Coordination service said: {e}"
         ) from None
+
+
+def peer_monitor() -> peers.PeerMonitor | None:
+    """This process's watch on the others (``None`` outside a multi-process job)."""
+    return _state.monitor
 
 
 def shutdown() -> None:

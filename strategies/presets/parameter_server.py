@@ -11,6 +11,7 @@ import numpy as np
 import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
+from dtensor.runtime.roles import current_role
 from strategies.base import Strategy
 from strategies.mixed_precision import MixedPrecision
 from strategies.partitioners import Partitioner
@@ -54,7 +55,9 @@ class ParameterServerStrategy(Strategy):
                 f"variable_partitioner={variable_partitioner!r} is not a partitioner; use "
                 "FixedShardsPartitioner(n), MinSizePartitioner(...) or MaxSizePartitioner(...)."
             )
-        devices = list(devices) if devices is not None else jax.devices()
+        if devices is None:  # the chief of a multi-process job keeps its variables local
+            devices = jax.local_devices() if current_role() is not None else jax.devices()
+        devices = list(devices)
         if num_ps is None:
             num_ps = variable_partitioner.max_shards if variable_partitioner is not None else 1
             num_ps = min(num_ps, len(devices))

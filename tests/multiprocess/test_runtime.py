@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 import dtensor
-from dtensor.runtime import cluster
-from dtensor.runtime import process as runtime
-from dtensor.runtime.process import (
+from dtensor.runtime import (
     ClusterConfigError,
     ClusterSpec,
+    cluster,
     parse_tf_config,
     resolve_cluster,
 )
+from dtensor.runtime import process as runtime
+from dtensor.runtime.exit_codes import EXIT_PEER_LOST
 
 from .util import report, run_worker
 
@@ -242,7 +243,7 @@ def test_sigkilled_peer_stops_the_others_naming_it():
     )
     assert not result.timed_out, report(result)
     assert result.returncodes[1] == 128 + 9, report(result)
-    assert result.returncodes[0] == runtime.EXIT_PEER_LOST, report(result)
+    assert result.returncodes[0] == EXIT_PEER_LOST, report(result)
     assert "process 0 of 2 lost process 1" in result.outputs[0], report(result)
 
 
@@ -256,7 +257,7 @@ def test_exception_in_one_process_fails_the_job():
     assert result.returncodes[1] == 1, report(result)
     assert "ValueError: process 1 failed on purpose" in result.outputs[1]
     assert "process 1 of 2 stopped by an uncaught ValueError" in result.outputs[1]
-    assert result.returncodes[0] == runtime.EXIT_PEER_LOST, report(result)
+    assert result.returncodes[0] == EXIT_PEER_LOST, report(result)
     assert "lost process 1" in result.outputs[0], report(result)
 
 
@@ -277,7 +278,7 @@ def test_wrong_coordinator_address_fails_within_timeout():
 @pytest.mark.timeout(60)
 def test_process_that_never_joins():
     result = run_worker("faults", 1, "alone", timeout_s=45)
-    assert result.returncode == runtime.EXIT_PEER_LOST, report(result)
+    assert result.returncode == EXIT_PEER_LOST, report(result)
     assert (
         "process 0 of 2: not all processes joined the job at coordinator 127.0.0.1:"
         in result.outputs[0]
@@ -334,6 +335,6 @@ def test_sigkilled_coordinator_stops_the_others():
     )
     assert not result.timed_out, report(result)
     assert result.returncodes[0] == 128 + 9, report(result)
-    assert result.returncodes[1] == runtime.EXIT_PEER_LOST, report(result)
+    assert result.returncodes[1] == EXIT_PEER_LOST, report(result)
     out = result.outputs[1]
     assert "process 1 of 2 lost process 0 (the coordinator at 127.0.0.1:" in out, report(result)

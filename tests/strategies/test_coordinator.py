@@ -150,6 +150,12 @@ def test_per_worker_datasets_each_worker_reads_its_own_iterator():
             for _ in range(12)
         ]
         pairs = [tuple(int(v) for v in r.fetch()) for r in results]
+        ran = coordinator.stats().per_worker
+    # Every closure ran once, on a worker that really ran it, spread over several workers
+    # (a check over workers that ran nothing would pass vacuously).
+    assert len(pairs) == 12 and sum(ran) == 12
+    assert [sum(1 for _, w in pairs if w == worker) for worker in range(3)] == list(ran)
+    assert sum(1 for n in ran if n > 0) >= 2
     for worker in range(3):
         tags = sorted(t for t, w in pairs if w == worker)
         assert all(t // 100 == worker for t in tags)  # each worker read its own dataset,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -209,9 +210,10 @@ def test_functional_step_is_refused_with_explicit_ops():
         s.run(step, args=(params, s.distribute_variables(tx.init(params)), batch))
 
 
-def test_device_root_and_scalar_outputs():
+@pytest.mark.parametrize("root", [5, 0])
+def test_device_root_and_scalar_outputs(root):
     s = strategies.MirroredStrategy(
-        cross_device_ops=strategies.ReductionToOneDevice(reduce_to_device=jax.devices()[5])
+        cross_device_ops=strategies.ReductionToOneDevice(reduce_to_device=jax.devices()[root])
     )
     with s.scope():
         model = MLPModel(rngs=nnx.Rngs(0))
@@ -223,11 +225,27 @@ def test_device_root_and_scalar_outputs():
         return loss, model(batch["x"])
 
     batch = mlp_batches(steps=1)[0]
+    # Every other replica sends into the chosen root, and the root sends the sum back out.
+    text = s.explain(step, args=(model, opt, batch)).compiled.as_text()
+    pairs = {
+        (int(a), int(b)) for a, b in re.findall(r"source_target_pairs=\{\{(\d+),(\d+)\}\}", text)
+    }
+    others = set(range(8)) - {root}
+    assert {a for a, b in pairs if b == root} == others
+    assert {b for a, b in pairs if a == root} == others
+    assert all(root in pair for pair in pairs)
+
     ref_model = MLPModel(rngs=nnx.Rngs(0))
-    want_loss = float(mlp_loss(ref_model, batch))
+    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
+    want_loss, want_preds = nnx.jit(step)(ref_model, ref_opt, batch)
     loss, preds = s.run(step, args=(model, opt, batch))
     assert preds.shape == (16, 8)  # batch outputs are concatenated
-    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    # The reduced gradient reached every replica: updated parameters and outputs match.
+    np.testing.assert_allclose(np.asarray(preds), np.asarray(want_preds), rtol=1e-5, atol=1e-6)
+    for path, want in jax.tree_util.tree_leaves_with_path(nnx.state(ref_model, nnx.Param)):
+        got = dict(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)))[path]
+        assert rel_err(got, want) < 1e-5, path
 
 
 def test_step_watchdog_fires_on_a_stuck_step():

@@ -9,6 +9,7 @@ and iterators built by ``ClusterCoordinator.create_per_worker_dataset``, and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -19,7 +20,10 @@ __all__ = [
     "PerWorkerDataset",
     "PerWorkerIterator",
     "PerWorkerValues",
+    "RemoteDataset",
+    "RemoteIterator",
     "RemoteValue",
+    "StaleCommit",
     "WorkerFailure",
 ]
 
@@ -36,6 +40,16 @@ class WorkerFailure(RuntimeError):
     Examples:
         >>> from strategies import WorkerFailure
         >>> isinstance(WorkerFailure("worker 3 lost its host"), RuntimeError)
+        True
+    """
+
+
+class StaleCommit(WorkerFailure):
+    """A closure read parameters more commits old than ``max_staleness``: it runs again.
+
+    Examples:
+        >>> from strategies.coordinator.values import StaleCommit, WorkerFailure
+        >>> issubclass(StaleCommit, WorkerFailure)
         True
     """
 
@@ -164,3 +178,43 @@ class PerWorkerDataset:
 
     def __len__(self) -> int:
         return len(self.datasets)
+
+
+_datasets = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteIterator:
+    """A per-worker iterator of a multi-process job: each worker reads its own dataset."""
+
+    dataset_id: int
+    fn_name: str
+    num_workers: int
+
+    def __iter__(self) -> RemoteIterator:
+        return self
+
+    def __next__(self) -> Any:
+        raise TypeError(
+            "next() on a per-worker iterator of a multi-process job: each worker reads its own "
+            "dataset. Pass the iterator to coordinator.schedule(fn, args=(iterator,)); fn "
+            "receives the next element on the worker that runs it."
+        )
+
+    def __len__(self) -> int:
+        return self.num_workers
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteDataset:
+    """``create_per_worker_dataset`` across processes: each worker calls the registered function."""
+
+    dataset_id: int
+    fn_name: str
+    num_workers: int
+
+    def __iter__(self) -> RemoteIterator:
+        return RemoteIterator(next(_datasets), self.fn_name, self.num_workers)
+
+    def __len__(self) -> int:
+        return self.num_workers

@@ -131,6 +131,40 @@ def compile_worker_step(
     arrays: list[Any],
 ) -> WorkerStep:
     """Trace and compile ``fn`` for the worker that holds ``mod_state`` and ``arrays``."""
+    step, info = worker_step_fn(fn, treedef, kinds, mod_graphdef, num_optimizers, mod_state)
+    compiled = jax.jit(step).lower(mod_state, arrays).compile()
+    return WorkerStep(compiled, info["deltas"], info["updates"])
+
+
+def trace_worker_step(
+    fn: Callable[..., Any],
+    treedef: Any,
+    kinds: list[Any],
+    mod_graphdef: Any,
+    num_optimizers: int,
+    mod_state: Any,
+    arrays: list[Any],
+) -> tuple[WorkerStep, Any]:
+    """Trace ``fn`` abstractly (no compile): what it changes, and the shapes of its results.
+
+    The tasks that do not run a step (the parameter server applying it, the
+    chief receiving its output) learn its structure this way from the same
+    registered function instead of receiving it over the network.
+    """
+    step, info = worker_step_fn(fn, treedef, kinds, mod_graphdef, num_optimizers, mod_state)
+    shapes = jax.eval_shape(step, mod_state, arrays)
+    return WorkerStep(None, info["deltas"], info["updates"]), shapes  # type: ignore[arg-type]
+
+
+def worker_step_fn(
+    fn: Callable[..., Any],
+    treedef: Any,
+    kinds: list[Any],
+    mod_graphdef: Any,
+    num_optimizers: int,
+    mod_state: Any,
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The worker step as a function of ``(module state, arrays)``, and the dict its trace fills."""
     info: dict[str, Any] = {}
     index = _path_index(mod_state) if mod_graphdef is not None else {}
 
@@ -177,8 +211,7 @@ def compile_worker_step(
         info["deltas"], info["updates"] = tuple(delta_info), tuple(update_info)
         return deltas, updates, out
 
-    compiled = jax.jit(step).lower(mod_state, arrays).compile()
-    return WorkerStep(compiled, info["deltas"], info["updates"])
+    return step, info
 
 
 def compile_apply(

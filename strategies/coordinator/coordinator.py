@@ -43,23 +43,23 @@ committed never runs again. Each worker runs one closure at a time and waits
 for its results before committing, which bounds the work queued on XLA (see
 JAX-NOTES on simulated CPU devices).
 
-Across hosts. Asynchronous mode runs in one controller process: the parameter
-group and every worker group must be devices of *this* process. JAX's
-multi-process model is multi-controller SPMD: every process must launch the
-same programs in the same order, and arrays move between processes only
-inside such programs (collectives). Independent per-worker schedules and
-point-to-point parameter reads from a remote host contradict that, and JAX has
-no remote-device RPC like TF's workers. So on a multi-host run use the
-synchronous ``ParameterServerStrategy`` (it spans processes), or run one
-coordinator per host over that host's devices (hosts then do not share
-parameters).
+Across processes and hosts. Under :func:`dtensor.runtime.join_cluster` (a job
+of ``chief``, ``ps`` and ``worker`` tasks, TF's names, every task running the
+same script) the chief's coordinator drives the other tasks instead of local
+devices (:mod:`strategies.coordinator.cluster`): the parameter server holds the
+variables, each worker task runs closures on its own devices, and the same
+four steps travel as JSON messages through the coordination service's
+key-value store, with arrays pulled point to point through
+``jax.experimental.transfer`` (no collective: JAX's multi-controller
+programs stay per task). Steps, dataset functions and model builders are
+named by ``@strategies.remote_function``, never pickled. A worker that dies
+fails its closure (run again elsewhere); a restarted one rejoins.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import inspect
 import itertools
 import threading
@@ -68,39 +68,29 @@ from typing import Any
 
 import jax
 
+import dtensor.checkpoint
+from dtensor import compat
 from dtensor.core.tree import is_node
-from strategies import coordinator_step as cs
-from strategies.coordinator_params import ParameterGroup
-from strategies.coordinator_values import (
+from dtensor.runtime.roles import current_role
+from strategies.coordinator import step as cs
+from strategies.coordinator.params import ParameterGroup
+from strategies.coordinator.support import (
+    CoordinatorStats,
+    _check_addressable,
+    _is_remote,
+    _is_worker_failure,
+    _resolve,
+)
+from strategies.coordinator.values import (
     PerWorkerDataset,
-    PerWorkerValues,
+    RemoteDataset,
     RemoteValue,
-    WorkerFailure,
+    StaleCommit,
 )
 from strategies.presets.parameter_server import ParameterServerStrategy
 from strategies.values import InputContext
 
 __all__ = ["ClusterCoordinator", "CoordinatorStats"]
-
-_FAILURE_CODES = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED")
-
-
-@dataclasses.dataclass(frozen=True)
-class CoordinatorStats:
-    """Counters of a coordinator: what ran where, and how stale its updates were.
-
-    Attributes:
-        completed: closures that finished successfully.
-        per_worker: successful closures per worker.
-        staleness: for each committed update, in commit order, how many other
-            updates were committed between its read of the parameters and its own.
-        retries: closures put back on the queue after a worker failure.
-    """
-
-    completed: int
-    per_worker: tuple[int, ...]
-    staleness: tuple[int, ...]
-    retries: int
 
 
 class _Closure:
@@ -147,6 +137,8 @@ class ClusterCoordinator:
         num_workers: int | None = None,
         *,
         max_retries: int = 3,
+        max_staleness: int | None = None,
+        worker_timeout_s: float = 4.0,
     ) -> None:
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(
@@ -155,11 +147,32 @@ class ClusterCoordinator:
                 "devices). Build one, e.g. strategies.ParameterServerStrategy(num_ps=2)."
             )
         self.strategy = strategy
-        self._ps_mesh = strategy.parameter_mesh()
-        self._workers = strategy.worker_meshes(num_workers)
-        _check_addressable(strategy.mesh.device_list)
         self.max_retries = max_retries
-        self._params = ParameterGroup(strategy, self._ps_mesh)
+        self._remote: Any = None
+        role = current_role()
+        if role is not None:  # a multi-process job: drive the ps and worker tasks by message
+            if not role.is_chief:
+                raise RuntimeError(
+                    f"ClusterCoordinator on a '{role.task_type}' task: only the chief runs the "
+                    "training loop; the others call dtensor.runtime.serve()."
+                )
+            from strategies.coordinator.cluster import ClusterBackend
+
+            self._remote = ClusterBackend(
+                strategy,
+                role,
+                compat.distributed_client(),
+                max_staleness=max_staleness,
+                worker_timeout_s=worker_timeout_s,
+                on_worker_back=lambda w: self.set_worker_available(w, True),
+            )
+            self._ps_mesh, self._workers = None, tuple(range(role.num_workers))
+        else:
+            self._ps_mesh = strategy.parameter_mesh()
+            self._workers = strategy.worker_meshes(num_workers)
+            _check_addressable(strategy.mesh.device_list)
+            self._params = ParameterGroup(strategy, self._ps_mesh, max_staleness=max_staleness)
+        self._nodes: list[Any] = []  # the modules and optimizers scheduled so far
         self._cond = threading.Condition()  # the queue and the bookkeeping below
         self._queue: collections.deque[_Closure] = collections.deque()
         self._in_flight = 0
@@ -211,7 +224,9 @@ class ClusterCoordinator:
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         for node in jax.tree.leaves((args, kwargs), is_leaf=is_node):
             if is_node(node):
-                self._params.place(node)
+                (self._remote or self._params).place(node)
+                if not any(n is node for n in self._nodes):
+                    self._nodes.append(node)
         closure = _Closure(next(self._ids), fn, args, kwargs)
         with self._cond:
             self._queue.append(closure)
@@ -256,6 +271,11 @@ class ClusterCoordinator:
         element from the new worker's iterator (the failed worker's element is
         skipped, as in TF).
         """
+        if self._remote is not None:
+            from strategies.coordinator.cluster import _named
+
+            name = _named(dataset_fn, "create_per_worker_dataset()")
+            return RemoteDataset(0, name, self.num_workers)  # type: ignore[return-value]
         takes_ctx = any(
             p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
             for p in inspect.signature(dataset_fn).parameters.values()
@@ -270,6 +290,53 @@ class ClusterCoordinator:
             for w in range(n)
         ]
         return PerWorkerDataset(tuple(made))
+
+    def fetch_variables(self) -> tuple[Any, ...]:
+        """Copy the parameter servers' current values into the scheduled modules and optimizers.
+
+        In one process they are the same objects (nothing to copy); across
+        processes the chief's objects hold their initial values until this
+        is called (for an evaluation or a summary on the chief). Returns them.
+        """
+        if self._remote is not None:
+            for node in self._nodes:
+                self._remote.fetch_variables(node)
+        return tuple(self._nodes)
+
+    def save(self, directory: str, step: int) -> None:
+        """Checkpoint the variables (and optimizer state) where they live, layout-aware.
+
+        Across processes the chief reads them from the parameter server and
+        writes them alone with :mod:`dtensor.checkpoint` (one directory per
+        builder under ``directory``; :meth:`restore` sends them back, and the
+        parameter server lays them out by its partitioner); in one process the
+        scheduled objects are saved as they are laid out. Wait
+        for :meth:`join` first for a checkpoint of a quiet moment.
+        """
+        if self._remote is not None:
+            for name, node in self._remote.builders():
+                self._remote.save(node, f"{directory}/{name}", step)
+            return
+        dtensor.checkpoint.save(directory, list(self._nodes), step=step)
+
+    def restore(self, directory: str, *nodes: Any, step: int | None = None) -> None:
+        """Load :meth:`save`'s checkpoint into the variables where they live (latest step by default).
+
+        ``nodes`` (the model, the optimizer) are placed first, as by a
+        ``schedule``; then every object the coordinator has seen is restored.
+        """
+        for node in nodes:
+            (self._remote or self._params).place(node)
+            if not any(n is node for n in self._nodes):
+                self._nodes.append(node)
+        if self._remote is not None:
+            for name, node in self._remote.builders():
+                self._remote.restore(node, f"{directory}/{name}", step)
+            return
+        with self._cond:
+            dtensor.checkpoint.restore(directory, list(self._nodes), step=step)
+            for node in self._nodes:
+                self._params.place(node)
 
     def set_worker_available(self, worker: int, available: bool) -> None:
         """Mark a worker as up or down (for tests, or a health check that saw its devices go).
@@ -288,10 +355,13 @@ class ClusterCoordinator:
 
     def stats(self) -> CoordinatorStats:
         """What has run so far (see :class:`CoordinatorStats`)."""
-        staleness = self._params.staleness()
+        if self._remote is not None:
+            staleness, moved = tuple(self._remote.staleness), self._remote.bytes_moved
+        else:
+            staleness, moved = self._params.staleness(), 0
         with self._cond:
             return CoordinatorStats(
-                sum(self._per_worker), tuple(self._per_worker), staleness, self._retries
+                sum(self._per_worker), tuple(self._per_worker), staleness, self._retries, moved
             )
 
     def close(self) -> None:
@@ -307,6 +377,8 @@ class ClusterCoordinator:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -351,8 +423,13 @@ class ClusterCoordinator:
     def _failed(self, w: int, closure: _Closure, error: BaseException) -> None:
         with self._cond:
             self._in_flight -= 1
+            if isinstance(error, StaleCommit):  # not the worker's fault: run it again
+                self._retries += 1
+                self._queue.appendleft(closure)
+                self._cond.notify_all()
+                return
             if _is_worker_failure(error) or not self._available[w]:
-                self._available[w] = False
+                self._available[w] = getattr(error, "rejoined", False)  # a new incarnation is up
                 closure.failures += 1
                 if closure.failures <= self.max_retries and not self._closed:
                     self._retries += 1
@@ -379,6 +456,8 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
     def _run(self, w: int, closure: _Closure) -> Any:
+        if self._remote is not None:
+            return self._remote.run(w, closure.id, closure.fn, closure.args, closure.kwargs)
         args, kwargs = _resolve((closure.args, closure.kwargs), w)
         return self._params.run(
             closure.fn,
@@ -389,43 +468,4 @@ class ClusterCoordinator:
             steps=self._steps[w],
             committable=lambda: self._available[w],
             what=f"closure {closure.id}",
-        )
-
-
-# ------------------------------------------------------------------- helpers
-def _is_remote(x: Any) -> bool:
-    return isinstance(x, RemoteValue)
-
-
-def _resolve(tree: Any, worker: int) -> Any:
-    def one(v: Any) -> Any:
-        if isinstance(v, PerWorkerValues):
-            return v.resolve(worker)
-        if isinstance(v, RemoteValue):
-            return v.get()
-        return v
-
-    return jax.tree.map(
-        one, tree, is_leaf=lambda v: isinstance(v, PerWorkerValues | RemoteValue) or is_node(v)
-    )
-
-
-def _is_worker_failure(error: BaseException) -> bool:
-    if isinstance(error, WorkerFailure):
-        return True
-    if isinstance(error, jax.errors.JaxRuntimeError):
-        return str(error).split(":", 1)[0].strip() in _FAILURE_CODES
-    return False
-
-
-def _check_addressable(devices: Iterable[Any]) -> None:
-    here = jax.process_index()
-    remote = [d for d in devices if d.process_index != here]
-    if remote:
-        raise ValueError(
-            f"ClusterCoordinator needs every device in this process (process {here}), but "
-            f"{len(remote)} belong to other processes (e.g. {remote[0]!r} of process "
-            f"{remote[0].process_index}). The asynchronous mode is single-controller: build the "
-            "strategy over jax.local_devices(), or train across hosts with the synchronous "
-            "ParameterServerStrategy."
         )

@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from dtensor.core.tree import is_node, path_str
-from strategies import coordinator_step as cs
-from strategies.coordinator_values import WorkerFailure
+from strategies.coordinator import step as cs
+from strategies.coordinator.values import StaleCommit, WorkerFailure
 
 __all__ = ["ParameterGroup"]
 
@@ -31,10 +31,13 @@ class ParameterGroup:
         strategy: the :class:`strategies.ParameterServerStrategy` (its
             partitioner gives each variable's layout).
         mesh: its parameter devices' ``("ps",)`` mesh.
+        max_staleness: refuse (and re-run) a commit whose read is more than
+            this many commits old; ``None``: no bound.
     """
 
-    def __init__(self, strategy: Any, mesh: Any) -> None:
+    def __init__(self, strategy: Any, mesh: Any, *, max_staleness: int | None = None) -> None:
         self.strategy = strategy
+        self.max_staleness = max_staleness
         self.mesh = mesh
         self.replicated = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec())
         self._lock = threading.Lock()  # snapshots and commits
@@ -131,6 +134,12 @@ class ParameterGroup:
             if not committable():
                 raise WorkerFailure(
                     f"worker {worker} was marked unavailable before {what} committed"
+                )
+            stale = self._version - read_version
+            if self.max_staleness is not None and stale > self.max_staleness:
+                raise StaleCommit(
+                    f"{what} read parameters {stale} commits old, more than "
+                    f"max_staleness={self.max_staleness}: it runs again"
                 )
             nodes = (*modules, *optimizers)
             ps_graphdef, ps_state = nnx.split(nodes)
