@@ -9,7 +9,7 @@ import pytest
 
 import dtensor.tpu
 from dtensor.tpu import aot
-from dtensor.tpu.search import FitError, _merge, ladder
+from dtensor.tpu.search import FitError, Rung, _merge, ladder
 
 DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
 ARGV = ["--strategy", "fully_sharded", "--model-size", "small", "--batch-size", "16"]
@@ -44,41 +44,53 @@ def test_fit_refuses_a_missing_script(tmp_path):
 
 @pytest.mark.slow
 def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys):
+    # The demo's character model (a quick compile) on a v5e:2x2, searched over a short ladder
+    # whose rungs shrink the batch: the logic of the search, not the options themselves.
+    argv = ["--strategy", "fully_sharded", "--model-size", "demo", "--seq-len", "64"]
+    argv += ["--batch-size", "4096"]
+    rungs = [
+        Rung("as given", ()),
+        Rung("batch 256", ("--batch-size", "256")),
+        Rung("batch 256, bf16", ("--batch-size", "256", "--mixed-precision", "bf16"), True),
+        Rung("batch 64", ("--batch-size", "64")),
+    ]
     cache = tmp_path / "cache"
-    first = dtensor.tpu.fit(DEMO, ARGV, topology="v5e:2x2", cache_dir=cache)
-    # Everything fits a v5e's 15.75 GiB as given: one compile, no further rung.
+    first = dtensor.tpu.fit(DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs)
+    # It fits a v5e's 15.75 GiB as given: one compile, and no rung that is not faster.
     assert [t["name"] for t in first.tried] == ["as given"]
     given = first.best
     assert given["fits"] and given["peak_bytes_per_chip"] > 0
     # The character-level demo model gives no model FLOPs (its script's hook returns None).
     assert given["step_time_floor_seconds"] > 0 and given["mfu_ceiling"] is None
 
-    # Within half of that, the f32 step no longer fits; the search walks on to a fit.
+    # Within half of that, the search walks on to the first rung that fits, then tries the
+    # faster one after it, and stops at the next that is not faster.
     budget = 0.5 * given["peak_bytes_per_chip"]
     found = dtensor.tpu.fit(
-        DEMO, ARGV, topology="v5e:2x2", cache_dir=cache, max_bytes_per_chip=budget
+        DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs, max_bytes_per_chip=budget
     )
+    assert [t["name"] for t in found.tried] == ["as given", "batch 256", "batch 256, bf16"]
     assert found.tried[0]["cached"] and not found.tried[0]["fits"]
-    assert all(not t["cached"] for t in found.tried[1:])
+    assert not found.tried[1]["cached"] and found.tried[1]["fits"]
     best = found.best
-    assert best is not None and best["fits"] and best["peak_bytes_per_chip"] <= budget
+    assert best["peak_bytes_per_chip"] <= budget
     fitting = [t for t in found.tried if t["fits"]]
     assert best["step_time_floor_seconds"] == min(t["step_time_floor_seconds"] for t in fitting)
-    assert "--mixed-precision bf16" in found.command() and found.command().startswith(
-        "python -m dtensor.aot --topology v5e:2x2 -- "
+    assert found.command() == (
+        "python -m dtensor.aot --topology v5e:2x2 -- " + DEMO + " " + " ".join(best["argv"])
     )
     # A second search is read back from the cache, with the same answer.
     again = dtensor.tpu.fit(
-        DEMO, ARGV, topology="v5e:2x2", cache_dir=cache, max_bytes_per_chip=budget
+        DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs, max_bytes_per_chip=budget
     )
     assert all(t["cached"] for t in again.tried) and again.best["argv"] == best["argv"]
 
-    # The command line prints the choice and its command, and writes the JSON.
+    # The command line (the default ladder; its first rung is cached) writes the JSON.
     out = tmp_path / "fit.json"
-    gib = budget / (1 << 30)
-    argv = ["--topology", "v5e:2x2", "--fit", "--cache-dir", str(cache), "--max-gib", str(gib)]
-    assert aot.main([*argv, "--json", str(out), "--", DEMO, *ARGV]) == 0
+    cli = ["--topology", "v5e:2x2", "--fit", "--cache-dir", str(cache), "--json", str(out)]
+    assert aot.main([*cli, "--", DEMO, *argv]) == 0
     printed = capsys.readouterr().out
-    assert found.command() in printed and "(cached)" in printed
+    assert "as given: fits" in printed and "(cached)" in printed
     saved = json.loads(out.read_text())
-    assert saved["command"] == found.command() and saved["best"]["peak_bytes_per_device"] > 0
+    assert saved["best"]["name"] == "as given" and saved["best"]["peak_bytes_per_device"] > 0
+    assert saved["command"] in printed

@@ -239,13 +239,13 @@ def fit(
         FitError: no such script.
 
     Examples:
-        >>> from dtensor.tpu.search import fit
-        >>> found = fit("examples/train.py", ["--strategy", "fully_sharded", "--model-size",
-        ...             "tiny", "--batch-size", "16", "--seq-len", "32"], topology="v5e:2x2")
-        >>> found.best["name"], found.best["fits"]
-        ('as given', True)
-        >>> found.command()
-        'python -m dtensor.aot --topology v5e:2x2 -- examples/train.py --strategy fully_sharded --model-size tiny --batch-size 16 --seq-len 32'
+        What a search returns, and the command line it prints (a search itself compiles;
+        see ``tests/test_fit.py``):
+
+        >>> from dtensor.tpu.search import FitResult
+        >>> best = {"name": "bf16", "argv": ["--model-size", "2b", "--mixed-precision", "bf16"]}
+        >>> FitResult("examples/train.py", [], "v5e:4x4", 1, [best], best).command()
+        'python -m dtensor.aot --topology v5e:4x4 -- examples/train.py --model-size 2b --mixed-precision bf16'
     """
     path = Path(script)
     if not path.is_file():
