@@ -54,8 +54,8 @@ OPTION_TEXT = {
     "bf16 + remat + scan + offload": "`MixedPrecision()` + `remat=(Block,)` + scan + "
     "`offload_optimizer=True`",
     **{
-        f"hybrid tensor={t} + bf16 + remat + scan": f"`HybridStrategy(fsdp=-1, tensor={t})` + "
-        "`MixedPrecision()` + `remat=(Block,)` + scan"
+        f"hybrid tensor={t} + bf16 + remat + scan": f"`HybridStrategy(tensor={t})` (fsdp over "
+        "the rest) + `MixedPrecision()` + `remat=(Block,)` + scan"
         for t in (2, 4, 8)
     },
 }
