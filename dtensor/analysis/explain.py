@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
 from dtensor.analysis.minimum import minimum_for
 from dtensor.analysis.minimum import split_over_data as _split_over_data
@@ -285,7 +286,7 @@ def explain(
     jaxpr = traced.jaxpr if traced is not None else None
     terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh)
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
-    floor = _floor(jaxpr, collectives, slices, mesh)
+    floor = floor_for(jaxpr, collectives, _network_bytes(collectives, "dcn", slices), mesh)
     minimum, references = minimum_for(jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh)
     return Report(
         collectives=collectives,
@@ -312,22 +313,6 @@ def explain(
         step_floor=floor,
         model_flops=model_flops,
     )
-
-
-def _floor(jaxpr: Any, collectives: Sequence[Collective], slices: Any, mesh: Mesh | None) -> Any:
-    """The step-time floor on the mesh's chip (``None`` for a chip not in the hardware table)."""
-    from dtensor.analysis.floor import matmul_flops, step_floor
-    from dtensor.analysis.hardware import chip_of
-
-    chip = chip_of(mesh.device_list) if mesh is not None else None
-    if chip is None or jaxpr is None:
-        return None
-    ici = _network_bytes(collectives, "ici", slices)
-    dcn = _network_bytes(collectives, "dcn", slices)
-    if ici is None:  # no slices known: all of it within one
-        ici = float(sum(c.total_bytes_per_device for c in collectives))
-    flops = matmul_flops(jaxpr) / mesh.size  # type: ignore[union-attr]
-    return step_floor(flops, ici, dcn or 0.0, chip, devices=mesh.size)  # type: ignore[union-attr]
 
 
 def _peak(mem: Any) -> int | None:

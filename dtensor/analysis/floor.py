@@ -30,9 +30,9 @@ import dataclasses
 import math
 from typing import Any
 
-from dtensor.analysis.hardware import Chip
+from dtensor.analysis.hardware import Chip, chip_of
 
-__all__ = ["StepFloor", "matmul_flops", "step_floor"]
+__all__ = ["StepFloor", "floor_for", "matmul_flops", "step_floor"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,3 +139,16 @@ def step_floor(
         devices=int(devices),
         peak_flops=chip.peak_flops,
     )
+
+
+def floor_for(jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any) -> StepFloor | None:
+    """The floor of a compiled step on its mesh's chip (``None`` for a chip not in the
+    hardware table, or without a jaxpr): ``collectives`` are its
+    :class:`dtensor.analysis.hlo.Collective` s, ``dcn_bytes`` those that cross slices."""
+    chip = chip_of(mesh.device_list) if mesh is not None else None
+    if chip is None or jaxpr is None or mesh is None:
+        return None
+    total = float(sum(c.total_bytes_per_device for c in collectives))
+    dcn = dcn_bytes or 0.0
+    flops = matmul_flops(jaxpr) / mesh.size
+    return step_floor(flops, total - dcn, dcn, chip, devices=mesh.size)
