@@ -203,7 +203,7 @@ NEEDS = {
 def _skipped(size: str, topology: str, option: str) -> dict[str, Any] | None:
     """The row of an option this version of FullyShardedStrategy does not take (not compiled)."""
     import strategies
-    from strategies.memory_advice import accepts
+    from strategies.step.memory_advice import accepts
 
     need = NEEDS.get(option)
     if need is None or accepts(strategies.FullyShardedStrategy, need):

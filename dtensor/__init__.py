@@ -31,6 +31,7 @@ from dtensor.core.rules import distribute as distribute
 from dtensor.core.rules import resolve_layouts as resolve_layouts
 from dtensor.core.visualize import visualize as visualize
 from dtensor.data.dataset import DTensorDataset as DTensorDataset
+from dtensor.gpu.topology import gpu_topology as gpu_topology
 from dtensor.runtime.cluster import ClusterConfigError as ClusterConfigError
 from dtensor.runtime.cluster import DistributedRuntimeError as DistributedRuntimeError
 from dtensor.runtime.distributed_mesh import create_distributed_mesh as create_distributed_mesh
@@ -70,6 +71,7 @@ __all__ = [
     "distribute",
     "explain",
     "fetch_layout",
+    "gpu_topology",
     "initialize",
     "num_clients",
     "pack",

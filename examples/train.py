@@ -8,10 +8,16 @@
         --model-size 7b --batch-size 16 --seq-len 1024 --mixed-precision bf16 --remat
 
 The corpus is built at run time from the Python standard library's own
-docstrings and source (nothing is downloaded). The run shows the mesh and every
-variable's layout, a progress bar, the compiled step's communication and
-memory, checkpoints through the preemption handler (Ctrl-C or SIGTERM saves and
-exits; running again resumes), a loss curve and a generated sample.
+docstrings and source (nothing is downloaded) and read through a Grain
+pipeline, each process reading its share of every batch. The run shows the
+mesh and every variable's layout, a progress bar, the compiled step's
+communication and memory, checkpoints through the preemption handler (Ctrl-C
+or SIGTERM saves model, optimizer and the pipeline's position, and exits;
+running again resumes all three), a loss curve and a generated sample.
+
+``--out`` takes a directory or a bucket URL: with ``--out gs://BUCKET/run``
+the checkpoints, the loss curve and ``results.json`` live in the bucket (try it
+without a cloud account against ``gcp-storage-emulator``; see the README).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import argparse
 import ast
 import json
 import os
-import shutil
 import signal
 import sys
 import sysconfig
@@ -116,22 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Megatron rules); default: the registry's data x fsdp x tensor",
     )
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=8,
-        help="simulated CPU devices when no accelerator is present",
-    )
-    p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go")
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=250,
-        help="also checkpoint every N steps (0: only on preemption)",
-    )
-    p.add_argument(
-        "--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run"
-    )
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
+    p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go: a directory or a gs:// URL")
+    p.add_argument("--save-every", type=int, default=250, help="also checkpoint every N steps (0: only on preemption)")
+    p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run")
     p.add_argument("--sample-chars", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -183,6 +176,26 @@ def encode(text: str):
 
 def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("ascii", errors="replace")
+
+
+def windows_dataset(data, seq: int, seed: int, ctx, global_batch: int):
+    """This process's share of the batches: a Grain pipeline of shuffled windows of the corpus.
+
+    Index-based (a shuffled ``MapDataset`` of window starts, repeated), so its
+    position is saved with each checkpoint and a run resumes on the very next
+    batch, even on another number of processes.
+    """
+    import grain
+    import numpy as np
+
+    def window(start) -> dict:
+        w = data[int(start) : int(start) + seq + 1]
+        return {"x": w[:-1], "y": w[1:]}
+
+    rows = ctx.get_per_pipeline_batch_size(global_batch)
+    starts = grain.MapDataset.range(len(data) - seq - 1).shuffle(seed=seed).repeat()
+    share = starts[ctx.input_pipeline_id :: ctx.num_input_pipelines].map(window)
+    return share.batch(rows, batch_fn=lambda xs: {k: np.stack([x[k] for x in xs]) for k in xs[0]})
 
 
 def batch_for_step(data, step: int, batch: int, seq: int, seed: int):
@@ -286,7 +299,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     import jax.numpy as jnp
 
     import strategies
-    from strategies.memory_advice import accepts
+    from strategies.step.memory_advice import accepts
 
     strategy = strategies.from_name(args.strategy, devices=devices)
     cls = type(strategy)
@@ -458,7 +471,7 @@ def explain_summary(report):
     return table
 
 
-def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> None:
+def plot_losses(losses: list[tuple[int, float]], path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,8 +485,12 @@ def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> None
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    path.write_bytes(buf.getvalue())  # a local path or an object in a bucket
 
 
 def generate(model, prompt: str, chars: int, seq: int, seed: int) -> str:
@@ -593,11 +610,20 @@ def main(argv: list[str] | None = None) -> int:
     for w in report.warnings[:5]:
         console.print(Text("warning: ", style="yellow") + Text(str(w)))
 
-    run_dir = Path(args.out) / args.strategy
+    from dtensor.checkpoint.storage import resolve
+
+    run_dir = resolve(args.out) / args.strategy  # a local directory, or a gs:// URL kept as one
     ckpt_dir = run_dir / "checkpoints"
     if args.fresh and jax.process_index() == 0 and ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
+        ckpt_dir.rmtree()
+    if args.fresh:
+        dtensor.barrier("fresh")
     run_dir.mkdir(parents=True, exist_ok=True)
+    batches = iter(
+        strategy.distribute_datasets_from_function(
+            lambda ctx: windows_dataset(data, seq, args.seed, ctx, args.batch_size)
+        )
+    )
 
     def on_preempt() -> None:
         console.print(
@@ -606,12 +632,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(0)
 
     handler = PreemptionCheckpointHandler(
-        ckpt_dir.resolve(),
+        str(ckpt_dir),
         {"model": model, "optimizer": optimizer},
         strategy,
         save_interval_steps=args.save_every or None,
         termination_config=TerminationConfig(exit_fn=on_preempt),
         signals=(signal.SIGTERM, signal.SIGINT),
+        data=batches,  # the pipeline's position is saved and restored with model and optimizer
     )
     start = handler.total_run_calls
     if start:
@@ -638,10 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss="-", tps="-")
         for step in range(start, args.steps):
-            batch = batch_for_step(data, step, args.batch_size, seq, args.seed)
-            loss = handler.run(
-                strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True
-            )
+            batch = next(batches)
+            loss = handler.run(strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True)
             pending.append((step + 1, loss))
             if len(pending) >= 10 or step + 1 == args.steps:
                 for s, v in pending:
@@ -665,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; curve in {png}")
     sample = generate(model, "def ", args.sample_chars, seq, args.seed)
     console.print(Panel(sample, title="a sample from the model"))
-    if jax.process_index() == 0 and (args.quiet or args.json):
+    if jax.process_index() == 0:
         summary = {
             "strategy": args.strategy,
             "devices": jax.device_count(),
@@ -681,9 +706,10 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoints": str(ckpt_dir),
             "sample": sample,
         }
+        (run_dir / "results.json").write_text(json.dumps(summary, sort_keys=True, indent=1))
         if args.json:
             print(json.dumps(summary, sort_keys=True))
-        else:
+        elif args.quiet:
             first, last = summary["loss_first"], summary["loss_last"]
             loss = f"loss {first:.3f} -> {last:.3f}" if losses else "no steps run"
             print(

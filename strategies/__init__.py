@@ -10,17 +10,8 @@ from strategies.coordinator import PerWorkerValues as PerWorkerValues
 from strategies.coordinator import RemoteValue as RemoteValue
 from strategies.coordinator import WorkerFailure as WorkerFailure
 from strategies.coordinator import remote_function as remote_function
-from strategies.cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
-from strategies.cross_device_ops import CommunicationImplementation as CommunicationImplementation
-from strategies.cross_device_ops import CommunicationOptions as CommunicationOptions
-from strategies.cross_device_ops import CrossDeviceOps as CrossDeviceOps
-from strategies.cross_device_ops import CrossDeviceOpsError as CrossDeviceOpsError
-from strategies.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
-from strategies.cross_device_ops import NcclAllReduce as NcclAllReduce
-from strategies.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from strategies.current import get_strategy as get_strategy
 from strategies.current import has_strategy as has_strategy
-from strategies.mixed_precision import MixedPrecision as MixedPrecision
 from strategies.partitioners import FixedShardsPartitioner as FixedShardsPartitioner
 from strategies.partitioners import MaxSizePartitioner as MaxSizePartitioner
 from strategies.partitioners import MinSizePartitioner as MinSizePartitioner
@@ -36,13 +27,26 @@ from strategies.presets.parameter_server import ParameterServerStrategy as Param
 from strategies.presets.tensor_parallel import HybridStrategy as HybridStrategy
 from strategies.presets.tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
 from strategies.presets.tpu import TPUStrategy as TPUStrategy
+from strategies.reads.mixed_precision import MixedPrecision as MixedPrecision
 from strategies.registry import PRESET_NAMES as PRESET_NAMES
 from strategies.registry import describe_presets as describe_presets
 from strategies.registry import from_name as from_name
-from strategies.values import InputContext as InputContext
-from strategies.values import PerReplica as PerReplica
-from strategies.values import ReplicaContext as ReplicaContext
-from strategies.values import ValueContext as ValueContext
+from strategies.replica.cross_device_ops import AllReduceCrossDeviceOps as AllReduceCrossDeviceOps
+from strategies.replica.cross_device_ops import (
+    CommunicationImplementation as CommunicationImplementation,
+)
+from strategies.replica.cross_device_ops import CommunicationOptions as CommunicationOptions
+from strategies.replica.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from strategies.replica.cross_device_ops import CrossDeviceOpsError as CrossDeviceOpsError
+from strategies.replica.cross_device_ops import (
+    HierarchicalCopyAllReduce as HierarchicalCopyAllReduce,
+)
+from strategies.replica.cross_device_ops import NcclAllReduce as NcclAllReduce
+from strategies.replica.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from strategies.replica.values import InputContext as InputContext
+from strategies.replica.values import PerReplica as PerReplica
+from strategies.replica.values import ReplicaContext as ReplicaContext
+from strategies.replica.values import ValueContext as ValueContext
 from strategies.version import __version__ as __version__
 
 __all__ = [

@@ -24,13 +24,14 @@ import dtensor
 from dtensor import Layout, Mesh, ReduceOp
 from dtensor.core.rules import ResolvedLayout, flax_annotation
 from dtensor.core.tree import is_node, leaf_value
-from strategies import context, creation, cross_replica, tf_compat
+from strategies import context, datasets, tf_compat
 from strategies.boundary import explicit_axes_error
-from strategies.datasets import CheckedShares
-from strategies.mixed_precision import MixedPrecision, check_mixed_precision
-from strategies.param_reads import ReadOptions, trace_reads
+from strategies.placement import creation
+from strategies.reads.mixed_precision import MixedPrecision, check_mixed_precision
+from strategies.reads.param_reads import ReadOptions, trace_reads
+from strategies.replica import cross_replica
+from strategies.replica.values import InputContext, ValueContext
 from strategies.step.compiler import StepCompiler
-from strategies.values import InputContext, PerReplica, ValueContext
 
 __all__ = ["Strategy"]
 
@@ -172,9 +173,9 @@ class Strategy:
         ``layouts`` are the variables' (``None`` without NNX nodes), ``shardings``
         the array arguments' input shardings. ``call`` also takes ``prepare=``,
         a function given the NNX objects merged inside the trace (to swap
-        their classes, :mod:`strategies.swaps`). The default shapes parameter
+        their classes, :mod:`strategies.reads.swaps`). The default shapes parameter
         reads and module calls by :meth:`read_options`
-        (:func:`strategies.param_reads.trace_reads`).
+        (:func:`strategies.reads.param_reads.trace_reads`).
         """
         return trace_reads(call, state, arrays, layouts, shardings, self.mesh, self.read_options())
 
@@ -200,13 +201,13 @@ class Strategy:
         leaves them, and the batch.
         """
         from dtensor.analysis.peak import ideal_peak_bytes
-        from strategies.memory_advice import gather_itemsize_ratio
+        from strategies.step.memory_advice import gather_itemsize_ratio
 
         return ideal_peak_bytes(terms, gather_itemsize_ratio=gather_itemsize_ratio(self))
 
     def memory_advice(self) -> str:
         """What would help a step that does not fit, given this preset and its options."""
-        from strategies.memory_advice import memory_advice
+        from strategies.step.memory_advice import memory_advice
 
         return memory_advice(self)
 
@@ -268,37 +269,12 @@ class Strategy:
             ('fsdp', 'unsharded')
         """
         try:
-            return self._create(factory)
+            return creation.build_in_layouts(self, factory)
         except ValueError as err:  # JAX's, from the factory (a layer run at init, say)
             ours = explicit_axes_error(err, self, "create()")
             if ours is None:
                 raise
             raise ours from None
-
-    def _create(self, factory: Callable[[], Any]) -> Any:
-        with self.mesh, nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(factory)
-            is_nnx = is_node(abstract)
-            graphdef, abstract_state = nnx.split(abstract) if is_nnx else (None, abstract)
-            layouts, _ = dtensor.resolve_layouts(
-                abstract_state, self.storage_layout_fn, mesh=self.mesh
-            )
-            shardings = jax.tree.map(
-                lambda lay: lay.sharding, layouts, is_leaf=lambda v: isinstance(v, Layout)
-            )
-
-            def init() -> Any:
-                made = factory()
-                return nnx.split(made)[1] if is_nnx else made
-
-        # Compile under the mesh the variables are stored on (CentralStorage keeps
-        # them off the compute mesh; jit rejects a context mesh that differs).
-        meshes = {
-            lay.mesh for lay in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))
-        }
-        with meshes.pop() if len(meshes) == 1 else self.mesh, nnx.use_eager_sharding(False):
-            state = jax.jit(init, out_shardings=shardings)()
-        return nnx.merge(graphdef, state) if graphdef is not None else state
 
     def run(
         self,
@@ -443,11 +419,7 @@ class Strategy:
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
         """Call ``value_fn`` once per replica and hold the results as :class:`PerReplica` values."""
-        n = self.num_replicas_in_sync
-        per = [value_fn(ValueContext(i, n)) for i in range(n)]
-        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per)
-        layout_of = lambda x: self.batch_layout(x.ndim)  # noqa: E731
-        return jax.tree.map(lambda x: PerReplica(dtensor.copy_to_mesh(x, layout_of(x))), stacked)
+        return cross_replica.values_from_function(self, value_fn)
 
     # --------------------------------------------------------------- datasets
     def experimental_distribute_dataset(
@@ -466,9 +438,7 @@ class Strategy:
             >>> [b["x"].shape for b in s.experimental_distribute_dataset(batches)]
             [(16, 3), (16, 3)]
         """
-        return dtensor.DTensorDataset(
-            dataset, self.mesh, batch_dim=self._batch_dim, prefetch=prefetch, pad=pad
-        )
+        return datasets.distribute_dataset(self, dataset, pad=pad, prefetch=prefetch)
 
     def distribute_datasets_from_function(
         self,
@@ -478,34 +448,11 @@ class Strategy:
         prefetch: int = 2,
     ) -> dtensor.DTensorDataset:
         """``dataset_fn(InputContext)`` gives this process's share; shares are stitched into global arrays."""
-        ctx = self.input_context()
-        source = dataset_fn(ctx)
-        global_batch_size = ctx.requested_global_batch_size
-        if global_batch_size is not None:  # the function told us the global batch: check its shares
-            source = CheckedShares(source, ctx, global_batch_size, pad=pad)
-        return dtensor.DTensorDataset(
-            source,
-            self.mesh,
-            global_batch_size=global_batch_size,
-            batch_dim=self._batch_dim,
-            process_local=True,
-            prefetch=prefetch,
-            pad=pad,
-        )
+        return datasets.datasets_from_function(self, dataset_fn, pad=pad, prefetch=prefetch)
 
     def input_context(self) -> InputContext:
         """This process's :class:`InputContext`."""
-        return InputContext(
-            num_input_pipelines=jax.process_count(),
-            input_pipeline_id=jax.process_index(),
-            num_replicas_in_sync=self.num_replicas_in_sync,
-        )
-
-    @property
-    def _batch_dim(self) -> str | tuple[str, ...]:
-        if not self.batch_axes:
-            return self.mesh.dim_names[0]  # a size-1 axis: the batch stays whole
-        return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
+        return datasets.input_context(self)
 
     # ---------------------------------------------------------------- reports
     def describe(self, tree: Any = None) -> str:

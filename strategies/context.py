@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from strategies.values import ReplicaContext
+    from strategies.replica.values import ReplicaContext
 
 __all__ = [
     "entered",

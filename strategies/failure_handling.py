@@ -6,7 +6,10 @@ process is told to stop (SIGTERM by default) the handler lets the current step
 finish, saves a checkpoint at the step boundary, and exits. A restarted job
 builds the handler again, which restores that checkpoint and sets
 ``total_run_calls`` to the number of steps already done; a loop that picks its
-data by ``total_run_calls`` then continues bit-for-bit as if never stopped.
+data by ``total_run_calls``, or one that reads an input iterator given as
+``data=`` (its position is saved with each step and restored with it), then
+continues bit-for-bit as if never stopped. The checkpoint directory may be a
+bucket URL (``gs://bucket/run``), where a Cloud TPU VM's state must live.
 
 Single process: the signal sets a flag that :meth:`run` reads after the step.
 Several processes (``jax.process_count() > 1``): JAX's coordination service
@@ -31,6 +34,7 @@ import jax
 
 from dtensor import Mesh
 from dtensor.checkpoint import Checkpointer
+from dtensor.checkpoint.datastate import check_iterator
 from dtensor.compat import preemption_sync_manager
 from dtensor.core.tree import is_node
 from dtensor.runtime.exit_codes import EXIT_PREEMPTED
@@ -84,7 +88,8 @@ class PreemptionCheckpointHandler:
     """Checkpoints a training loop at preemption and restores it at restart.
 
     Args:
-        checkpoint_dir: the checkpoint directory (a :class:`dtensor.checkpoint.Checkpointer`'s).
+        checkpoint_dir: the checkpoint directory (a :class:`dtensor.checkpoint.Checkpointer`'s):
+            a local path or a URL such as ``gs://bucket/run``.
         checkpoint: a mapping from names to what is saved: Flax NNX modules
             and optimizers (restored in place), or any pytrees (restored by
             replacing the mapping's values, so the mapping must be mutable,
@@ -97,6 +102,10 @@ class PreemptionCheckpointHandler:
         max_to_keep: how many checkpoints to keep.
         signals: the signals that announce a preemption (single process).
         async_save: write interval checkpoints in the background.
+        data: the input iterator the loop reads (``get_state()``/``set_state()``:
+            a Grain iterator, or ``iter()`` of a strategy's distributed
+            dataset); its position is saved with every checkpoint and restored
+            with it, so a resumed run reads exactly the batches it had not read.
 
     Attributes:
         total_run_calls: the number of steps run, counting those before the
@@ -131,7 +140,10 @@ class PreemptionCheckpointHandler:
         max_to_keep: int | None = 3,
         signals: Sequence[int] = (signal.SIGTERM,),
         async_save: bool = True,
+        data: Any = None,
     ) -> None:
+        if data is not None:
+            check_iterator(data, "PreemptionCheckpointHandler")
         if not isinstance(checkpoint, Mapping):
             raise TypeError(
                 f"checkpoint must be a mapping of names to NNX modules/optimizers or pytrees, got "
@@ -154,6 +166,7 @@ class PreemptionCheckpointHandler:
         self.save_interval_steps = save_interval_steps
         self.termination_config = termination_config or TerminationConfig()
         self.total_run_calls = 0
+        self.data = data
         self._checkpointer = Checkpointer(
             checkpoint_dir, max_to_keep=max_to_keep, async_save=async_save
         )
@@ -199,9 +212,9 @@ class PreemptionCheckpointHandler:
         mesh = self._mesh()
         if mesh is not None:
             with mesh:
-                restored = self._checkpointer.restore(None, target)
+                restored = self._checkpointer.restore(None, target, data=self.data)
         else:
-            restored = self._checkpointer.restore(None, target)
+            restored = self._checkpointer.restore(None, target, data=self.data)
         for name, value in target.items():
             if not is_node(value):
                 self.checkpoint[name] = restored[name]  # type: ignore[index]
@@ -223,7 +236,7 @@ class PreemptionCheckpointHandler:
         if step == self._last_saved:
             return
         start = time.monotonic()
-        self._checkpointer.save(step, dict(self.checkpoint), force=True)
+        self._checkpointer.save(step, dict(self.checkpoint), force=True, data=self.data)
         self._save_seconds = time.monotonic() - start
         self._last_saved = step
 

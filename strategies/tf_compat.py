@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from dtensor.runtime import resolve_cluster
-from strategies.values import PerReplica
+from strategies.replica.values import PerReplica
 
 if TYPE_CHECKING:
     from strategies.base import Strategy

@@ -10,4 +10,33 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # Scripts that tests start as real processes are not test modules (and set up JAX
 # their own way at import): keep them out of collection, doctests included.
-collect_ignore_glob = ["workers_ckpt/*", "multiprocess/workers/*"]
+collect_ignore_glob = ["workers_ckpt/*", "multiprocess/workers/*", "gcs_server.py"]
+
+
+# ------------------------------------------------------------ a GCS API on loopback
+import pytest  # noqa: E402
+
+from tests.gcs import Emulator, emulator, fresh_url  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory):
+    """One ``gcp-storage-emulator`` per test process (per xdist worker), stopped by PID at the end."""
+    with emulator(tmp_path_factory.mktemp("gcs") / "data") as em:
+        yield em
+
+
+@pytest.fixture
+def gcs(gcs_emulator: Emulator, monkeypatch: pytest.MonkeyPatch, tmp_path, request):
+    """A fresh ``gs://`` URL; the emulator's variables set for this test only; no local ``gs:``.
+
+    The test runs in an empty working directory, and fails when anything was
+    written under a local ``gs:`` directory (a URL taken for a path).
+    """
+    for key, value in gcs_emulator.env.items():
+        monkeypatch.setenv(key, value)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    yield fresh_url(request.node.name)
+    assert not (work / "gs:").exists(), "a gs:// URL was written to local disk as ./gs:"

@@ -123,3 +123,22 @@ def test_fsdp_scale_rows_on_cpu(tmp_path, capsys):
     assert side[0].startswith("| model | topology | global batch | MaxText peak per chip")
     assert "| llama2-70b | v5p:4x4x4 | 64 x 1024 | 21.16 GiB |" in "\n".join(side)
     assert all(line.endswith("| — | — | — | — |") for line in side[2:])
+
+
+def test_checkpoint_gcs_benchmark_tiny(tmp_path):
+    """The bucket-vs-disk benchmark with a 2 MiB tree: its own emulator, JSON with both places."""
+    import os
+
+    from benchmarks import checkpoint_gcs
+
+    before = os.environ.get("STORAGE_EMULATOR_HOST")
+    got = checkpoint_gcs.main(["--gib=0.002", "--arrays=1", "--out", str(tmp_path)])
+    assert os.environ.get("STORAGE_EMULATOR_HOST") == before  # the emulator's variables are gone
+    saved = json.loads((tmp_path / "checkpoint_gcs.json").read_text())
+    assert saved["benchmark"] == "checkpoint_gcs"
+    for where in ("local", "bucket"):
+        for op in ("save", "restore"):
+            assert saved[where][op]["median"] > 0
+    assert got["ratio_bucket_to_local"]["save_plus_restore"] == pytest.approx(
+        saved["save_plus_restore_s"]["bucket"] / saved["save_plus_restore_s"]["local"]
+    )

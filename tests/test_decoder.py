@@ -178,7 +178,7 @@ def test_swapped_block_constrains_its_batch_shaped_inputs_and_outputs():
     from jax.sharding import PartitionSpec
 
     import dtensor
-    from strategies import swaps
+    from strategies.reads import swaps
 
     block = Block(CONFIGS["tiny"], nnx.Rngs(0))
     swaps.swap_call(block, remat=True, batch_axes=("fsdp",))

@@ -96,6 +96,11 @@ def test_wheel_holds_every_subpackage_and_the_typed_markers(dist):
             if "__pycache__" not in p.parts
         }
         assert on_disk <= names, sorted(on_disk - names)
+    # The GPU target configs are package data (dtensor.gpu_topology reads them).
+    configs = {
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "dtensor/gpu/configs").glob("*.txtpb")
+    }
+    assert len(configs) == 4 and configs <= names, sorted(configs - names)
     assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
 
 

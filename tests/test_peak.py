@@ -13,7 +13,7 @@ import dtensor
 import strategies
 from dtensor.analysis.memory import DEFAULT_ADVICE, MemoryFit, out_of_memory
 from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
-from strategies.memory_advice import memory_advice
+from strategies.step.memory_advice import memory_advice
 
 GIB = 1 << 30
 

@@ -83,7 +83,8 @@ class Collective:
         count: executions per call of the program (loop trip counts).
         name: the HLO instruction's name.
         network: ``"ici"`` (within a TPU slice), ``"dcn"`` (across slices),
-            or ``""`` when unknown (``slices=`` not given). For a DCN
+            ``"nvlink"`` (within a GPU host), ``"ib"`` (across GPU hosts:
+            InfiniBand or RoCE), or ``""`` when unknown. For a DCN
             transfer ``shape`` is what each device sends.
     """
 

@@ -260,8 +260,10 @@ def explain(
         raise oom from None
     mesh = _program_mesh(compiled)
     mesh_shape = list(mesh.shape.items()) if mesh is not None else None
-    slices = _slices(mesh)
-    collectives = tuple(parse_collectives(compiled.as_text() or "", mesh_shape, slices=slices))
+    slices, hosts = _slices(mesh), _hosts(mesh)
+    collectives = tuple(
+        parse_collectives(compiled.as_text() or "", mesh_shape, slices=slices, hosts=hosts)
+    )
     in_shardings = compiled.input_shardings[0]
     findings, batch_axes = _check_args(args, in_shardings, var_arg)
     data = _data_axes(data_axes, batch_axes, mesh)
@@ -306,6 +308,8 @@ def explain(
         compiled=compiled,
         ici_bytes_per_device=_network_bytes(collectives, "ici", slices),
         dcn_bytes_per_device=_network_bytes(collectives, "dcn", slices),
+        nvlink_bytes_per_device=_network_bytes(collectives, "nvlink", hosts),
+        ib_bytes_per_device=_network_bytes(collectives, "ib", hosts),
         memory_fit=_memory_fit(mem, mesh, advice),
         peak_bytes_per_device=_peak(mem),
         ideal_peak_bytes_per_device=ideal,
@@ -374,6 +378,13 @@ def _slices(mesh: Mesh | None) -> list[int] | None:
     return [int(getattr(d, "slice_index", 0)) for d in mesh.device_list]
 
 
+def _hosts(mesh: Mesh | None) -> list[int] | None:
+    """Each device's host (process), in mesh order, on GPU (``None`` elsewhere)."""
+    if mesh is None or mesh.platform != "gpu":
+        return None
+    return [int(d.process_index) for d in mesh.device_list]
+
+
 def _network_bytes(collectives: Sequence[Collective], network: str, slices: Any) -> float | None:
     if slices is None:
         return None
@@ -381,7 +392,7 @@ def _network_bytes(collectives: Sequence[Collective], network: str, slices: Any)
 
 
 def _memory_fit(mem: Any, mesh: Mesh | None, advice: str | None) -> Any:
-    if mem is None or mesh is None or mesh.platform != "tpu":
+    if mem is None or mesh is None or mesh.platform not in ("tpu", "gpu"):
         return None
     from dtensor.analysis.memory import memory_fit
 

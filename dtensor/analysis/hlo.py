@@ -27,6 +27,9 @@ compiled per slice: replica groups use slice-local ids, and what crosses
 slices is a megascale host transfer (a ``send`` whose
 ``_xla_megascale_transfer_type`` is ``ALL_REDUCE``, ``ALL_GATHER``...). Those
 are read as collectives with ``network="dcn"``; the others get ``"ici"``.
+GPU programs (given ``hosts=``, each device's host) are one program over all
+hosts: a collective whose groups stay within hosts gets ``"nvlink"``, one
+whose groups span hosts ``"ib"``.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ __all__ = [
     "ring_bytes",
 ]
 
-_ASYNC = {f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute")}
-_DONE = {f"{k}-done" for k in ("all-reduce", "all-gather", "collective-permute")}
+# XLA:GPU also emits reduce-scatter and all-to-all as start/done pairs.
+_PAIRED = ("all-reduce", "all-gather", "collective-permute", "reduce-scatter", "all-to-all")
+_ASYNC = {f"{k}-start": k for k in _PAIRED}
+_DONE = {f"{k}-done" for k in _PAIRED}
 
 
 def parse_collectives(
@@ -73,6 +78,7 @@ def parse_collectives(
     num_devices: int | None = None,
     *,
     slices: Sequence[int] | None = None,
+    hosts: Sequence[int] | None = None,
 ) -> list[Collective]:
     """Every collective operand in optimised HLO text, in program order.
 
@@ -86,13 +92,21 @@ def parse_collectives(
         slices: the TPU slice index of each device, in mesh order; given, each
             collective gets its ``network`` and a multi-slice program's
             slice-local ids are mapped to the mesh.
+        hosts: the host (process) of each device, in mesh order, for GPU
+            programs (one program over all hosts, global ids): a collective
+            within one host gets ``network="nvlink"``, one that spans hosts
+            ``"ib"`` (InfiniBand or RoCE).
 
     Returns:
         One :class:`Collective` per operand of each collective.
     """
     if num_devices is None:
         num_devices = math.prod(s for _, s in mesh_shape) if mesh_shape else 1
-    net = _Network.make(slices, num_devices)
+    net = (
+        _Network.make(slices, num_devices)
+        if hosts is None
+        else _Network.make(hosts, num_devices, names=("nvlink", "ib"), per_slice=False)
+    )
     if net is not None and net.local is not None:
         num_devices = len(net.local)
     comps, entry = computations(text)
@@ -207,22 +221,32 @@ _DCN_KINDS = {
 class _Network:
     """Slices of the mesh's devices: which network a group crosses, and id mapping."""
 
-    slices: tuple[int, ...]  # slice index per mesh position
+    slices: tuple[int, ...]  # slice (TPU) or host (GPU) index per mesh position
     local: tuple[int, ...] | None  # mesh positions of one slice (multi-slice programs)
+    names: tuple[str, str] = ("ici", "dcn")  # the network within a group, and between groups
 
     @classmethod
-    def make(cls, slices: Sequence[int] | None, num_devices: int) -> _Network | None:
+    def make(
+        cls,
+        slices: Sequence[int] | None,
+        num_devices: int,
+        *,
+        names: tuple[str, str] = ("ici", "dcn"),
+        per_slice: bool = True,
+    ) -> _Network | None:
+        """``per_slice``: a multi-slice program is compiled per slice (TPU), with local ids."""
         if slices is None:
             return None
         slices = tuple(int(s) for s in slices)
         if len(slices) != num_devices:
+            what = "slice index" if per_slice else "host index"
             raise ValueError(
-                f"slices= has {len(slices)} entries but the program has {num_devices} devices; "
-                "give one slice index per device of the mesh, in mesh order."
+                f"{'slices' if per_slice else 'hosts'}= has {len(slices)} entries but the program "
+                f"has {num_devices} devices; give one {what} per device of the mesh, in mesh order."
             )
-        multi = len(set(slices)) > 1
+        multi = per_slice and len(set(slices)) > 1
         local = tuple(p for p, s in enumerate(slices) if s == slices[0]) if multi else None
-        return cls(slices, local)
+        return cls(slices, local, names)
 
     def to_mesh(self, groups: list[list[int]]) -> list[list[int]]:
         """Slice-local ids (a multi-slice program) as mesh positions."""
@@ -233,7 +257,7 @@ class _Network:
     def network(self, groups: list[list[int]]) -> str:
         n = len(self.slices)
         spans = any(len({self.slices[i] for i in g if 0 <= i < n}) > 1 for g in groups)
-        return "dcn" if spans else "ici"
+        return self.names[1] if spans else self.names[0]
 
     def slice_heads(self) -> list[int]:
         """The first mesh position of each slice, by slice index."""

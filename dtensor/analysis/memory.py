@@ -1,8 +1,18 @@
-"""Memory per chip: a compiled program's bytes against the TPU chip's HBM.
+"""Memory per chip: a compiled program's bytes against the TPU chip's or GPU's HBM.
 
 :func:`memory_fit` sets a compiled program's per-device memory against the
-chip's HBM (:data:`CHIP_HBM_GIB`) and gives the verdict; :func:`out_of_memory`
-turns the TPU compiler's out-of-HBM error into a :class:`WillNotFitError`.
+chip's HBM (:data:`CHIP_HBM_GIB`; for NVIDIA GPUs :data:`dtensor.gpu.specs.GPUS`)
+and gives the verdict; :func:`out_of_memory` turns the TPU compiler's
+out-of-HBM error into a :class:`WillNotFitError`.
+
+On GPU the limit is JAX's allocator pool, 75% of the GPU's memory by default
+(``XLA_CLIENT_MEM_FRACTION``): a program's buffers come from it at run time.
+XLA:GPU compiles a program of any size (it never refuses one for memory); its
+own budget, which scheduling and rematerialisation aim at ahead of time, is
+``0.95 * (0.8 * device memory - arguments and outputs)`` -- on an 80 GiB
+H100, 59.85 GiB of temporaries beside 1 GiB of arguments (measured: "Can't
+reduce memory use below 59.85GiB by rematerialization"), about the allocator's
+75%.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import numpy as np
 from dtensor.analysis.hardware import CHIPS, GENERATIONS
 from dtensor.analysis.hardware import USABLE_HBM_GIB as USABLE_HBM_GIB
 from dtensor.core.text import human_bytes
+from dtensor.gpu.specs import gpu_spec, memory_fraction
 
 __all__ = [
     "CHIP_HBM_GIB",
@@ -174,6 +185,7 @@ class MemoryFit:
     code_bytes: int
     advice: str | None = None
     usable_bytes_per_chip: int | None = None
+    unit: str = "chip"
 
     @property
     def limit_bytes_per_chip(self) -> int:
@@ -226,7 +238,7 @@ class MemoryFit:
         )
         if self.devices_per_chip > 1:
             parts += f", x{self.devices_per_chip} TensorCores per chip"
-        need = f"{h(self.bytes_per_chip)} per {self.chip} chip ({parts})"
+        need = f"{h(self.bytes_per_chip)} per {self.chip} {self.unit} ({parts})"
         usable = (
             f", {h(self.usable_bytes_per_chip)} usable by a program"
             if self.usable_bytes_per_chip
@@ -234,8 +246,8 @@ class MemoryFit:
         )
         hbm = f"{h(self.hbm_bytes_per_chip)} of HBM{usable} ({self.fraction:.0%} of it)"
         if self.fits:
-            return f"fits: {need} of the chip's {hbm}."
-        return f"will not fit: needs {need} but a {self.chip} chip has {hbm}. " + (
+            return f"fits: {need} of the {self.unit}'s {hbm}."
+        return f"will not fit: needs {need} but a {self.chip} {self.unit} has {hbm}. " + (
             self.advice or DEFAULT_ADVICE
         )
 
@@ -247,25 +259,38 @@ def memory_fit(
 
     Args:
         memory_analysis: ``compiled.memory_analysis()`` (per device figures).
-        devices: the program's devices (TPU; e.g. from :func:`tpu_topology`).
+        devices: the program's devices (TPU, e.g. from :func:`tpu_topology`,
+            or NVIDIA GPU, e.g. from :func:`dtensor.gpu_topology`: the limit
+            is then JAX's allocator pool, :func:`dtensor.gpu.specs.memory_fraction`
+            of the GPU's memory).
         advice: what would help if it does not fit (see :class:`MemoryFit`).
 
     Returns:
-        The :class:`MemoryFit`, or ``None`` for devices that are not a TPU
-        generation in :data:`CHIP_HBM_GIB` or without a memory analysis.
+        The :class:`MemoryFit`, or ``None`` for devices that are neither a
+        TPU generation in :data:`CHIP_HBM_GIB` nor a GPU model in
+        :data:`dtensor.gpu.specs.GPUS`, or without a memory analysis.
     """
+    if memory_analysis is None:
+        return None
     chip = chip_generation(list(devices))
-    if chip is None or memory_analysis is None:
+    gpu = gpu_spec(list(devices))
+    if chip is not None:
+        per_chip = _devices_per_chip(list(devices))
+        hbm, usable = int(CHIP_HBM_GIB[chip] * GIB), int(USABLE_HBM_GIB[chip] * GIB) * per_chip
+    elif gpu is not None:
+        chip, per_chip = gpu.name, 1
+        hbm, usable = gpu.hbm_bytes, int(gpu.hbm_bytes * memory_fraction())
+    else:
         return None
 
     def get(field: str) -> int:
         return int(getattr(memory_analysis, field, 0) or 0)
 
-    per_chip = _devices_per_chip(list(devices))
     return MemoryFit(
         chip=chip,
-        hbm_bytes_per_chip=int(CHIP_HBM_GIB[chip] * GIB),
-        usable_bytes_per_chip=int(USABLE_HBM_GIB[chip] * GIB) * per_chip,
+        hbm_bytes_per_chip=hbm,
+        usable_bytes_per_chip=usable,
+        unit="chip" if gpu is None else "GPU",
         devices_per_chip=per_chip,
         argument_bytes=get("argument_size_in_bytes"),
         output_bytes=get("output_size_in_bytes"),

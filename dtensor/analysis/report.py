@@ -68,9 +68,12 @@ class Report:
 
     On TPU meshes ``ici_bytes_per_device`` / ``dcn_bytes_per_device`` split
     the communication between the network inside a slice and the one between
-    slices (``None`` elsewhere), and ``memory_fit`` holds the per-chip memory
-    against the chip's HBM (a :class:`dtensor.analysis.memory.MemoryFit`, ``None`` when the
-    chip is not known).
+    slices (``None`` elsewhere); on GPU meshes ``nvlink_bytes_per_device`` /
+    ``ib_bytes_per_device`` split it between NVLink (inside a host) and the
+    network between hosts (InfiniBand or RoCE). ``memory_fit`` holds the
+    per-chip memory against the chip's HBM (a
+    :class:`dtensor.analysis.memory.MemoryFit`, ``None`` when the chip is not
+    known).
 
     ``peak_bytes_per_device`` is XLA's peak, ``arguments + temporaries +
     outputs - aliased`` (``None`` without a memory analysis);
@@ -108,6 +111,8 @@ class Report:
     ici_bytes_per_device: float | None = None
     dcn_bytes_per_device: float | None = None
     memory_fit: Any = None
+    nvlink_bytes_per_device: float | None = None
+    ib_bytes_per_device: float | None = None
     peak_bytes_per_device: int | None = None
     ideal_peak_bytes_per_device: int | None = None
     ideal_peak_terms: Any = None
@@ -223,6 +228,8 @@ def _render(report: Report) -> str:
     ]
     nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
     nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
+    nets.append(("  over NVLink (within hosts)", report.nvlink_bytes_per_device))
+    nets.append(("  over InfiniBand/RoCE (between hosts)", report.ib_bytes_per_device))
     rows = [
         ("communication", human_bytes(report.comm_bytes_per_device)),
         *((k, human_bytes(v)) for k, v in nets if v is not None),

@@ -2,7 +2,9 @@
 
 Every shard is checksummed as it is written; a restore checks what it read,
 and :func:`verify` (or ``python -m dtensor.checkpoint verify DIR``) checks a
-directory without restoring it.
+directory without restoring it. Every directory may be a local path or a bucket
+URL (``gs://bucket/run``, resolved by ``etils.epath`` as orbax resolves it);
+``data=`` saves and restores an input iterator's position with a step.
 
 Examples:
     >>> import tempfile, dtensor, jax.numpy as jnp
@@ -16,6 +18,7 @@ Examples:
 from dtensor.checkpoint.checkpointer import Checkpointer as Checkpointer
 from dtensor.checkpoint.errors import CheckpointError as CheckpointError
 from dtensor.checkpoint.errors import DamagedCheckpointError as DamagedCheckpointError
+from dtensor.checkpoint.oneshot import latest_step as latest_step
 from dtensor.checkpoint.oneshot import read_manifest as read_manifest
 from dtensor.checkpoint.oneshot import restore as restore
 from dtensor.checkpoint.oneshot import save as save
@@ -27,6 +30,7 @@ __all__ = [
     "Checkpointer",
     "DamagedCheckpointError",
     "StepCheck",
+    "latest_step",
     "read_manifest",
     "restore",
     "save",

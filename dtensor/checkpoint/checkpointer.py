@@ -1,15 +1,19 @@
 """Layout-aware checkpoints over orbax-checkpoint: save, restore, reshard, verify.
 
-A checkpoint directory holds one sub-directory per step (orbax's
+A checkpoint directory (a local path or a URL such as ``gs://bucket/run``,
+resolved by ``etils.epath`` as orbax resolves it; see
+:mod:`dtensor.checkpoint.storage`) holds one sub-directory per step (orbax's
 ``CheckpointManager`` layout). Each step holds three items: ``state``, the
 arrays (orbax's ``StandardSave``, each process writing its own shards),
 ``manifest``, a small JSON file with the step, the mesh, each array's path,
 shape, dtype and layout (:meth:`Layout.to_string`), and the library versions,
 and ``checksums``, the CRC-32 of every shard and file as written (see
-:mod:`dtensor.checkpoint.integrity`). orbax writes a step into a temporary
-``*.orbax-checkpoint-tmp*`` directory and renames it once complete, so a
-process killed mid-write leaves the earlier steps intact, and unfinished
-directories are never restored. A step whose bytes changed afterwards (a
+:mod:`dtensor.checkpoint.integrity`); with ``data=``, a fourth, ``data``, holds
+each process's input-pipeline position. On disk orbax writes a step into a
+temporary ``*.orbax-checkpoint-tmp*`` directory and renames it once complete;
+in a bucket (no rename) it writes ``commit_success.txt`` into the step last.
+Either way a process killed mid-write leaves the earlier steps intact, and
+unfinished steps are never listed or restored. A step whose bytes changed afterwards (a
 flipped bit, a truncated or deleted file) is *damaged*: restoring it raises a
 :class:`CheckpointError` naming the step, the array and the file, and a
 restore without ``step=`` skips it with a warning and falls back to the newest
@@ -48,13 +52,12 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from dtensor.checkpoint import integrity, processes
+from dtensor.checkpoint import datastate, integrity, processes, storage
 from dtensor.checkpoint.canonical import canon, rebuild
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.checkpoint.handler import checksum_args
@@ -129,8 +132,10 @@ class Checkpointer:
         verify: bool = True,
     ) -> None:
         ocp = _ocp()
-        self.directory = Path(directory).absolute()
-        if not create and not self.directory.is_dir():
+        self.directory = storage.resolve(directory)
+        with storage.store_errors(self.directory):
+            missing = not create and not self.directory.is_dir()
+        if missing:
             raise CheckpointError(
                 f"checkpoint directory {str(self.directory)!r} does not exist. Check the path, or "
                 "save a checkpoint there first."
@@ -175,9 +180,11 @@ class Checkpointer:
             registry.add(item, save_args, instance)
             registry.add(item, restore_args, instance)
         registry.add(integrity.CHECKSUMS, checksum_args())
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
+        registry.add(datastate.DATA, checksum_args())
+        with storage.store_errors(self.directory):
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
 
     # -------------------------------------------------------------- steps
     def all_steps(self) -> list[int]:
@@ -185,8 +192,10 @@ class Checkpointer:
 
         Complete is not intact: see :meth:`latest_step` and :func:`verify`.
         """
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+        storage.refresh(self.directory)
+        with storage.store_errors(self.directory):
+            self._manager.reload()
+            return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         """The newest complete step whose files pass the quick check, or ``None``.
@@ -206,29 +215,41 @@ class Checkpointer:
         return None
 
     def unfinished(self) -> list[str]:
-        """Names of unfinished (temporary) step directories, left by an interrupted write."""
+        """Names of unfinished step directories, left by an interrupted write.
+
+        On disk: orbax's temporary ``*.orbax-checkpoint-tmp*`` directories; in
+        a bucket: step directories without orbax's ``commit_success.txt``.
+        """
+        storage.refresh(self.directory)
         if not self.directory.is_dir():
             return []
-        return sorted(p.name for p in self.directory.iterdir() if _TMP_MARK in p.name)
+        done = {str(s) for s in self._manager.all_steps()}
+        return sorted(
+            p.name
+            for p in self.directory.iterdir()
+            if _TMP_MARK in p.name or (p.name.isdigit() and p.name not in done and p.is_dir())
+        )
 
     def delete(self, steps: list[int]) -> None:
         """Delete these steps (on the primary process; every process calls this)."""
         for step in steps:
             self._manager.delete(step)
 
-    def step_dir(self, step: int) -> Path:
+    def step_dir(self, step: int) -> Any:
         """The directory of ``step``."""
         return self.directory / str(step)
 
     # --------------------------------------------------------------- save
-    def save(self, step: int, tree: Any, *, force: bool = False) -> bool:
+    def save(self, step: int, tree: Any, *, force: bool = False, data: Any = None) -> bool:
         """Save ``tree`` as ``step``; returns whether a checkpoint was started.
 
         Nothing is written when ``step`` is not a multiple of
         ``save_interval_steps`` or not newer than the latest step, unless
         ``force``. With ``async_save`` the files are written in the background.
         Every shard's checksum is computed here, from the bytes handed to
-        orbax, and committed with the step.
+        orbax, and committed with the step. ``data``, an input iterator with
+        ``get_state()``/``set_state()``, has its position saved with the step
+        (``restore(..., data=it)`` puts it back).
 
         Raises:
             CheckpointError: ``step`` already exists.
@@ -244,6 +265,7 @@ class Checkpointer:
                 "overwritten. Save under a new step number."
             )
         ocp = _ocp()
+        position = None if data is None else datastate.capture(data)
         self._manager.wait_until_finished()  # one step in flight: the commit hook knows which
         arrays, manifest = prepare_save(canon(tree), step)
         record = {
@@ -254,15 +276,16 @@ class Checkpointer:
             "process_count": processes.process_count(),
             "arrays": integrity.shard_checksums(arrays),
         }
-        args = ocp.args.Composite(
-            **{
-                _STATE: ocp.args.StandardSave(arrays),
-                _MANIFEST: ocp.args.JsonSave(manifest),
-                integrity.CHECKSUMS: checksum_args()(record),
-            }
-        )
+        items = {
+            _STATE: ocp.args.StandardSave(arrays),
+            _MANIFEST: ocp.args.JsonSave(manifest),
+            integrity.CHECKSUMS: checksum_args()(record),
+        }
+        if position is not None:
+            items[datastate.DATA] = checksum_args()(position)
         self._pending = step
-        started = bool(self._manager.save(step, args=args, force=True))
+        with storage.store_errors(self.directory):
+            started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
         if not self.async_save:
             self.wait()
         return started
@@ -272,13 +295,14 @@ class Checkpointer:
         step = self._pending
         if step is None:
             return
-        tmp = list(self.directory.glob(f"{step}{_TMP_MARK}*"))  # stale ones: older writes
-        newest = max(tmp, key=lambda p: p.stat().st_mtime_ns) if tmp else self.step_dir(step)
+        tmp = list(self.directory.glob(f"{step}{_TMP_MARK}*"))  # stale ones: older writes (disk)
+        newest = max(tmp, key=lambda p: os.stat(p).st_mtime_ns) if tmp else self.step_dir(step)
         integrity.write_files_record(newest)
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is complete on disk (or in the bucket)."""
+        with storage.store_errors(self.directory):
+            self._manager.wait_until_finished()
 
     # ------------------------------------------------------------ restore
     def _check_step(self, step: int | None) -> list[int]:
@@ -329,6 +353,7 @@ class Checkpointer:
     def quick_check(self, step: int) -> tuple[dict[str, Any], integrity.Records | None, dict]:
         """The manifest and checksum records of ``step``, after the cheap file checks."""
         step_dir, where = self.step_dir(step), str(self.directory)
+        storage.refresh(step_dir)
         if not (step_dir / integrity.CHECKSUMS).is_dir():
             manifest = self._read_manifest(step)
             if manifest.get("format", 1) >= MANIFEST_FORMAT:
@@ -345,14 +370,22 @@ class Checkpointer:
         return self._read_manifest(self._check_step(step)[0])
 
     def restore(
-        self, step: int | None = None, target: Any = None, *, verify: bool | None = None
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        verify: bool | None = None,
+        data: Any = None,
     ) -> Any:
         """Restore ``step`` (default: the newest intact one) as ``target`` says.
 
         See the module docstring for what ``target`` may be. NNX modules and
         optimizers in ``target`` are updated in place (and also returned), once
         the restored values have passed their checksums. The step restored is
-        in :attr:`restored_step`.
+        in :attr:`restored_step`. ``data``, an input iterator with
+        ``set_state()``, is moved to the position saved with that step
+        (re-split when another number of processes saved it, where the
+        iterator allows).
 
         Raises:
             CheckpointError: no such complete step, ``step`` is damaged, every
@@ -370,12 +403,22 @@ class Checkpointer:
                 warnings.warn(f"skipping checkpoint step {s}: {e}", stacklevel=2)
                 skipped.append(e)
                 continue
+            if data is not None:
+                self.restore_data(s, data)
             self.restored_step = s
             return out
         raise CheckpointError(
             f"every step in {str(self.directory)!r} is damaged ({sorted(steps)}); the newest: "
             f"{skipped[0]}"
         )
+
+    def restore_data(self, step: int, data: Any) -> None:
+        """Move the input iterator ``data`` to the position saved with ``step``."""
+        where = str(self.directory)
+        datastate.check_iterator(data, f"restoring step {step} from {where!r}")
+        with storage.store_errors(self.directory):
+            records = datastate.load(self.step_dir(step), step, where)
+        datastate.apply(data, records, step, where)
 
     def _restore_step(self, step: int, target: Any, verify: bool) -> Any:
         if verify:

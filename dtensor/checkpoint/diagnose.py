@@ -1,5 +1,8 @@
 """Which saved array a damaged file holds: read each array's recorded shards straight from disk.
 
+Also the check of other processes' data files: :func:`find_array` over every
+recorded shard reads each process's bytes where they are stored (disk or bucket).
+
 orbax stores the arrays of a step in one OCDBT database (``state/``) whose data
 files mix many arrays, so a file's name does not say which arrays it holds.
 When a file of a step is damaged, :func:`find_array` opens each array with
@@ -13,15 +16,16 @@ from __future__ import annotations
 
 import json
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dtensor.checkpoint import storage
+
 __all__ = ["find_array", "param_names"]
 
 
-def param_names(step_dir: Path) -> dict[str, str] | None:
+def param_names(step_dir: Any) -> dict[str, str] | None:
     """Our path (``a/b/0``) -> orbax's parameter name (``a.b.0``), from ``state/_METADATA``."""
     try:
         tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
@@ -34,21 +38,21 @@ def param_names(step_dir: Path) -> dict[str, str] | None:
         return None  # the metadata itself is damaged: no single array to name
 
 
-def _open(step_dir: Path, param: str) -> Any:
+def _open(step_dir: Any, param: str) -> Any:
     import tensorstore as ts
 
     spec = {
         "driver": "zarr",
         "kvstore": {
             "driver": "ocdbt",
-            "base": f"file://{(step_dir / 'state').absolute()}/",
+            "base": storage.tensorstore_url(step_dir / "state"),
             "path": f"{param}/",
         },
     }
     return ts.open(spec, open=True, read=True).result()
 
 
-def find_array(step_dir: Path, records: dict[str, list[dict[str, Any]]]) -> str | None:
+def find_array(step_dir: Any, records: dict[str, list[dict[str, Any]]]) -> str | None:
     """The first array (in path order) whose recorded shards cannot be read or differ, or None."""
     names = param_names(step_dir)
     if not names:

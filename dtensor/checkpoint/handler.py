@@ -1,9 +1,12 @@
-"""The orbax item that carries each process's shard checksums (``checksums/process_<i>.json``).
+"""The orbax item that carries one small JSON per process (``<item>/process_<i>.json``).
 
-orbax's own JSON item is written by the primary process only; this one is
-written by every process, each into its own file, through orbax's public
-handler interface (``CheckpointHandler`` + ``register_with_handler``), so the
-files are part of the step that orbax commits atomically.
+Used for each process's shard checksums (``checksums/``) and its input
+pipeline's position (``data/``). orbax's own JSON item is written by the
+primary process only; this one is written by every process, each into its own
+file, through orbax's public handler interface (``CheckpointHandler`` +
+``register_with_handler``), so the files are part of the step that orbax
+commits atomically (renamed into place on disk, ``commit_success.txt`` written
+last in a bucket).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def checksum_args() -> type:
         def save(self, directory: Any, *args: Any, **kwargs: Any) -> None:
             item = kwargs["args"].item
             path = directory / f"process_{processes.process_index()}.json"
-            path.write_text(json.dumps(item, sort_keys=True))
+            path.write_text(json.dumps(item, sort_keys=True))  # directory: an epath.Path
 
         def restore(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
             return json.loads((directory / f"process_{processes.process_index()}.json").read_text())

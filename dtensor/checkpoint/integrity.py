@@ -9,10 +9,16 @@ written):
   process 0), with the shard's index, computed from the very bytes handed to
   orbax. Each process hashes only its own shards, so the cost does not grow
   with the number of hosts.
-* ``files.json``, written by the primary process once orbax has finished its
-  files and before the step is committed: the size and CRC-32 of each file of
-  the step that the primary process wrote (the manifest, orbax's
-  ``_METADATA``, its OCDBT index and data files).
+* ``files.json``, written by the primary process once every process has
+  finished its files and before the step is committed: the size of every file
+  of the step, and the CRC-32 of each file the primary process wrote (the
+  manifest, orbax's ``_METADATA``, its OCDBT index and data files). Other
+  processes' data files are checked through their shard checksums
+  (:func:`dtensor.checkpoint.diagnose.bad_shard`), so no host reads another's
+  bytes at save time.
+
+Files are read and written through :mod:`dtensor.checkpoint.storage`
+(``etils.epath``), on disk or in a bucket alike.
 
 :func:`check_files` compares the files with ``files.json`` (sizes and small
 files always; every byte with ``full=True``); :func:`check_arrays` compares the
@@ -22,18 +28,16 @@ shards that cover a recorded shard, so a restore reads the data once.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from dtensor.checkpoint import processes
+from dtensor.checkpoint import processes, storage
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.core.tree import path_str
 
@@ -96,7 +100,7 @@ def shard_checksums(tree: Any) -> Records:
 
 
 # ------------------------------------------------------------------- files
-def _file_crc(path: Path) -> int:
+def _file_crc(path: Any) -> int:
     crc = 0
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -104,28 +108,34 @@ def _file_crc(path: Path) -> int:
     return crc
 
 
-def _own_files(step_dir: Path) -> list[str]:
-    """Files of a step that the primary process wrote (not other processes' OCDBT shards)."""
+def _other_process(rel: str) -> bool:
+    """Whether a file lies in another process's OCDBT shard (``ocdbt.process_<i>``, i > 0)."""
+    return any(p.startswith("ocdbt.process_") and p != "ocdbt.process_0" for p in rel.split("/"))
+
+
+def _step_files(step_dir: Any) -> list[str]:
+    """Every file of a step (relative names), but the checksum records and orbax's commit markers."""
     out = []
-    for root, dirs, files in os.walk(step_dir):
-        rel_root = Path(root).relative_to(step_dir)
-        if rel_root.parts[:1] == (CHECKSUMS,):
+    for rel_root, dirs, files in storage.iter_files(step_dir):
+        if rel_root.split("/")[0] == CHECKSUMS:
             dirs.clear()
             continue
-        dirs[:] = [
-            d for d in dirs if not (d.startswith("ocdbt.process_") and d != "ocdbt.process_0")
-        ]
-        out.extend(str(rel_root / f) for f in files if f not in _SKIP)
+        out.extend(f"{rel_root}/{f}" if rel_root else f for f in files if f not in _SKIP)
     return sorted(out)
 
 
-def write_files_record(step_dir: Path) -> None:
-    """Record the size and CRC-32 of the primary process's files (``checksums/files.json``)."""
-    names = _own_files(step_dir)
-    crcs = _parallel(lambda n: _file_crc(step_dir / n), names)
-    files = {n: [(step_dir / n).stat().st_size, c] for n, c in zip(names, crcs, strict=True)}
+def write_files_record(step_dir: Any) -> None:
+    """Record every file's size, and the CRC-32 of the primary's, in ``checksums/files.json``.
+
+    A file of another process holds ``[size, None]``: its bytes are checked
+    through that process's shard checksums.
+    """
+    names = _step_files(step_dir)
+    own = [n for n in names if not _other_process(n)]
+    crcs = dict(zip(own, _parallel(lambda n: _file_crc(step_dir / n), own), strict=True))
+    files = {n: [storage.size(step_dir / n), crcs.get(n)] for n in names}
     record = {"format": 1, "algorithm": "crc32", "files": files}
-    (step_dir / CHECKSUMS / FILES).write_text(json.dumps(record, sort_keys=True))
+    storage.write_json(step_dir / CHECKSUMS / FILES, record)
 
 
 # ------------------------------------------------------------------ checks
@@ -145,12 +155,12 @@ def damaged(step: int, where: str, what: str, *, array: str | None = None, file:
     )
 
 
-def _read_json(step_dir: Path, rel: str, step: int, where: str) -> dict[str, Any]:
+def _read_json(step_dir: Any, rel: str, step: int, where: str) -> dict[str, Any]:
     path = step_dir / rel
     if not path.is_file():
         raise damaged(step, where, "its checksum record is missing", file=rel)
     try:
-        out = json.loads(path.read_text())
+        out = storage.read_json(path)
     except (ValueError, OSError):
         raise damaged(step, where, "its checksum record is unreadable", file=rel) from None
     if not isinstance(out, dict):
@@ -158,7 +168,7 @@ def _read_json(step_dir: Path, rel: str, step: int, where: str) -> dict[str, Any
     return out
 
 
-def load_records(step_dir: Path, step: int, where: str) -> tuple[Records, dict[str, list[int]]]:
+def load_records(step_dir: Any, step: int, where: str) -> tuple[Records, dict[str, list[int]]]:
     """Every process's shard checksums (``{path: records}``) and the primary's file record."""
     cdir = f"{CHECKSUMS}/"
     first = _read_json(step_dir, cdir + "process_0.json", step, where)
@@ -172,7 +182,7 @@ def load_records(step_dir: Path, step: int, where: str) -> tuple[Records, dict[s
     return records, files
 
 
-def _holder(step_dir: Path, rel: str, records: Records | None) -> str | None:
+def _holder(step_dir: Any, rel: str, records: Records | None) -> str | None:
     """The array a damaged file of ``state/`` holds (found by reading the arrays), if any."""
     if records is None or not rel.startswith("state/") or rel == "state/_METADATA":
         return None
@@ -182,7 +192,7 @@ def _holder(step_dir: Path, rel: str, records: Records | None) -> str | None:
 
 
 def check_files(
-    step_dir: Path,
+    step_dir: Any,
     step: int,
     where: str,
     files: dict[str, list[int]],
@@ -206,18 +216,18 @@ def check_files(
 
 
 def _check_files(
-    step_dir: Path, step: int, where: str, files: dict[str, list[int]], *, full: bool
+    step_dir: Any, step: int, where: str, files: dict[str, list[int]], *, full: bool
 ) -> int:
     big = []
     for rel, (size, crc) in sorted(files.items()):
         path = step_dir / rel
         if not path.is_file():
             raise damaged(step, where, "a file it was written with is missing", file=rel)
-        actual = path.stat().st_size
+        actual = storage.size(path)
         if actual != size:
             what = "truncated" if actual < size else "longer than written"
             raise damaged(step, where, f"a file is {what} ({actual} of {size} bytes)", file=rel)
-        if size <= SMALL_FILE or full:
+        if crc is not None and (size <= SMALL_FILE or full):
             big.append((rel, crc))
     sums = _parallel(lambda item: _file_crc(step_dir / item[0]), big)
     for (rel, crc), got in zip(big, sums, strict=True):
@@ -282,7 +292,7 @@ def agree(count: int) -> int:
 
 
 def first_bad_file(
-    step_dir: Path, step: int, where: str, files: dict[str, list[int]]
+    step_dir: Any, step: int, where: str, files: dict[str, list[int]]
 ) -> DamagedCheckpointError | None:
     """The error for the first file whose bytes differ from its record (every byte read), or None."""
     try:
@@ -293,7 +303,7 @@ def first_bad_file(
 
 
 def read_failure(
-    step_dir: Path,
+    step_dir: Any,
     step: int,
     where: str,
     files: dict[str, list[int]],
@@ -315,7 +325,7 @@ def read_failure(
 
 
 def mismatch(
-    step_dir: Path,
+    step_dir: Any,
     step: int,
     where: str,
     files: dict[str, list[int]],

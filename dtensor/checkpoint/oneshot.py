@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
+from dtensor.checkpoint import storage
 from dtensor.checkpoint.checkpointer import Checkpointer
 from dtensor.checkpoint.errors import CheckpointError
 
-__all__ = ["existing", "read_manifest", "restore", "save"]
+__all__ = ["existing", "latest_step", "read_manifest", "restore", "save"]
 
 
 # ------------------------------------------------------------ one-shot helpers
 def existing(directory: str | os.PathLike[str]) -> Checkpointer:
-    if not Path(directory).is_dir():
+    """A :class:`Checkpointer` over a directory (or bucket URL) that must exist."""
+    path = storage.resolve(directory)
+    with storage.store_errors(path):
+        missing = not path.is_dir()
+    if missing:
         raise CheckpointError(
             f"checkpoint directory {str(directory)!r} does not exist. Check the path, or save a "
             "checkpoint there first."
@@ -22,14 +26,20 @@ def existing(directory: str | os.PathLike[str]) -> Checkpointer:
     return Checkpointer(directory, create=False, async_save=False)
 
 
-def save(directory: str | os.PathLike[str], tree: Any, *, step: int | None = None) -> int:
-    """Save ``tree`` into ``directory`` and wait until it is on disk; returns the step.
+def save(
+    directory: str | os.PathLike[str], tree: Any, *, step: int | None = None, data: Any = None
+) -> int:
+    """Save ``tree`` into ``directory`` and wait until it is stored; returns the step.
 
     Args:
-        directory: the checkpoint directory (created when missing).
+        directory: the checkpoint directory (created when missing): a local
+            path or a URL such as ``gs://bucket/run``.
         tree: any pytree of arrays, NNX modules/optimizers, Linen params,
             optax states.
         step: the step number; default: one more than the latest (0 at first).
+        data: an input iterator with ``get_state()``/``set_state()`` (a Grain
+            iterator, or ``iter()`` of a strategy's distributed dataset): its
+            position is saved with the step, one small JSON per process.
 
     Examples:
         >>> import dtensor, jax.numpy as jnp, tempfile
@@ -47,7 +57,7 @@ def save(directory: str | os.PathLike[str], tree: Any, *, step: int | None = Non
         if step is None:
             latest = ckpt.latest_step()
             step = 0 if latest is None else latest + 1
-        ckpt.save(step, tree, force=True)
+        ckpt.save(step, tree, force=True, data=data)
         ckpt.wait()
     return step
 
@@ -58,6 +68,7 @@ def restore(
     *,
     step: int | None = None,
     verify: bool = True,
+    data: Any = None,
 ) -> Any:
     """Restore a checkpoint from ``directory`` (default: its latest complete step).
 
@@ -66,14 +77,40 @@ def restore(
     layouts / live arrays / ``ShapeDtypeStruct`` s / NNX objects. Every array
     is checked against the checksums recorded when it was written (unless
     ``verify=False``); without ``step=`` a damaged step is skipped with a
-    warning and the newest intact one restored.
+    warning and the newest intact one restored. ``data``, an input iterator
+    with ``set_state()``, is moved to the position saved with the restored
+    step.
 
     Raises:
         CheckpointError: the directory is missing, holds no complete (or no
             intact) step, ``step`` is damaged, or ``target`` does not match.
     """
     with existing(directory) as ckpt:
-        return ckpt.restore(step, target, verify=verify)
+        return ckpt.restore(step, target, verify=verify, data=data)
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest complete, intact step in ``directory`` (a path or a bucket URL), or ``None``.
+
+    Unfinished steps (an interrupted write: no commit) are never counted; a
+    damaged newest step is skipped with a warning, as a restore skips it.
+
+    Examples:
+        >>> import dtensor, jax.numpy as jnp, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> dtensor.checkpoint.latest_step(d) is None
+        True
+        >>> _ = dtensor.checkpoint.save(d, {"w": jnp.zeros(2)}, step=4)
+        >>> dtensor.checkpoint.latest_step(d)
+        4
+    """
+    path = storage.resolve(directory)
+    with storage.store_errors(path):
+        missing = not path.is_dir()
+    if missing:
+        return None
+    with existing(directory) as ckpt:
+        return ckpt.latest_step()
 
 
 def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 from dtensor.checkpoint import integrity
 from dtensor.checkpoint.checkpointer import Checkpointer
@@ -41,9 +40,26 @@ def _check_one(ckpt: Checkpointer, step: int) -> StepCheck:
         if records is None:
             return StepCheck(step, "unverified", arrays=len(manifest.get("leaves", ())))
         nbytes = integrity.check_files(step_dir, step, where, files, full=True, records=records)
+        if any(r.get("process", 0) for recs in records.values() for r in recs):
+            _check_other_processes(step_dir, step, where, records)
     except DamagedCheckpointError as e:
         return StepCheck(step, "damaged", error=e)
     return StepCheck(step, "ok", arrays=len(records), bytes=nbytes)
+
+
+def _check_other_processes(step_dir, step: int, where: str, records: integrity.Records) -> None:
+    """Every process's shards, read where they are stored and compared with their checksums.
+
+    The primary's file record holds only the sizes of other processes' data
+    files; their bytes are checked here, shard by shard.
+    """
+    from dtensor.checkpoint.diagnose import find_array
+
+    bad = find_array(step_dir, records)
+    if bad is not None:
+        raise integrity.damaged(
+            step, where, "a shard does not match its checksum", array=bad, file="state/"
+        )
 
 
 def check_steps(directory: str | os.PathLike[str], step: int | None = None) -> list[StepCheck]:
@@ -53,7 +69,7 @@ def check_steps(directory: str | os.PathLike[str], step: int | None = None) -> l
         steps = ckpt.all_steps()
         if step is not None and step not in steps:
             raise CheckpointError(
-                f"step {step} is not a complete checkpoint in {str(Path(directory))!r}; the "
+                f"step {step} is not a complete checkpoint in {str(ckpt.directory)!r}; the "
                 f"complete steps are {steps}. Pass one of those, or step=None to check them all."
             )
         return [_check_one(ckpt, s) for s in ([step] if step is not None else steps)]

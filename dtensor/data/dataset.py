@@ -10,12 +10,13 @@ Two kinds of input:
   global arrays with ``jax.make_array_from_process_local_data``.
 
 A background thread keeps a bounded buffer of batches already on the devices.
+Grain datasets and loaders (and any iterable whose iterator has
+``get_state()``/``set_state()``) give a checkpointable iterator whose position
+is saved with a checkpoint (:mod:`dtensor.data.resumable`).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,10 +27,9 @@ from dtensor.core.arrays import copy_to_mesh
 from dtensor.core.layout import Layout, LayoutError
 from dtensor.core.mesh import Mesh
 from dtensor.core.text import sizes_text
+from dtensor.data.resumable import ResumableIterator
 
 __all__ = ["DTensorDataset", "lists_to_arrays", "pad_batch"]
-
-_END = object()
 
 
 def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
@@ -267,14 +267,31 @@ class DTensorDataset:
         return jax.make_array_from_process_local_data(layout.sharding, x, global_shape)
 
     # ---------------------------------------------------------------- iterating
-    def __iter__(self) -> Iterator[Any]:
-        source = iter(self._source)
-        if self.prefetch <= 0:
-            return (self.place(b) for b in source)
-        return _Prefetcher(source, self.place, self.prefetch)
+    def __iter__(self) -> ResumableIterator:
+        """A new pass: global batches, prefetched; checkpointable when the source iterator is.
+
+        With a Grain dataset or loader (or any source whose iterator has
+        ``get_state()``/``set_state()``), the iterator returned has them too:
+        pass it as ``data=`` to :func:`dtensor.checkpoint.save` or to
+        ``PreemptionCheckpointHandler`` (see :mod:`dtensor.data.resumable`).
+        """
+        return ResumableIterator(
+            iter(self._source),
+            self.place,
+            prefetch=self.prefetch,
+            process_local=self.process_local,
+            rows=_rows_or_none,
+        )
 
     def __len__(self) -> int:
         return len(self._source)  # type: ignore[arg-type]
+
+
+def _rows_or_none(batch: Any) -> int | None:
+    try:
+        return _rows(lists_to_arrays(batch))
+    except (LayoutError, TypeError, ValueError):
+        return None
 
 
 def _is_array_tree(x: Any) -> bool:
@@ -298,46 +315,3 @@ class _ArrayBatches:
         for i in range(self.n):
             sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
             yield jax.tree.map(lambda a, sl=sl: a[sl], self.arrays)
-
-
-class _Prefetcher:
-    """Runs ``place`` on a background thread, keeping at most ``size`` results."""
-
-    def __init__(self, source: Iterator[Any], place: Any, size: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=size)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(source, place), daemon=True)
-        self._thread.start()
-
-    def _work(self, source: Iterator[Any], place: Any) -> None:
-        try:
-            for item in source:
-                placed = place(item)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(placed, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._queue.put(_END)
-        except BaseException as e:  # surfaced in the consumer
-            self._queue.put(e)
-
-    def __iter__(self) -> _Prefetcher:
-        return self
-
-    def __next__(self) -> Any:
-        item = self._queue.get()
-        if item is _END:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def __del__(self) -> None:
-        self._stop.set()

@@ -1,8 +1,9 @@
-"""``python -m dtensor.aot``: compile a training script's step for a TPU topology, here.
+"""``python -m dtensor.aot``: compile a training script's step for a TPU or GPU topology, here.
 
     python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py
     python -m dtensor.aot --topology v5e:4x4 --num-slices 2 --strategy mirrored \\
         -- examples/train.py --model-size medium --batch-size 64
+    python -m dtensor.aot --topology h100:2x8 --strategy fully_sharded -- examples/train.py
 
 The script is imported as a module (its ``if __name__ == "__main__":`` block
 does not run) and must define the hook
@@ -16,7 +17,10 @@ returns it with the train step and the step's arguments, abstract
 allocated). The CLI compiles ``strategy.explain(step, args=args)`` with the
 real TPU compiler and prints, per chip: memory against the chip's HBM with a
 verdict, and communication split into ICI (within a slice) and DCN (between
-slices). ``--strategy NAME`` is passed on to the script, as are options the
+slices). A GPU topology (``h100:2x8``: hosts x GPUs per host, see
+:func:`dtensor.gpu_topology`) is compiled by XLA's GPU compiler instead, and
+its communication split into NVLink (within a host) and InfiniBand/RoCE
+(between hosts). ``--strategy NAME`` is passed on to the script, as are options the
 CLI does not know.
 """
 
@@ -120,14 +124,16 @@ def compile_script(
     topology: str,
     num_slices: int = 1,
 ) -> AotResult:
-    """Compile a script's train step for a TPU topology; nothing runs.
+    """Compile a script's train step for a TPU or GPU topology; nothing runs.
 
     Args:
         script: the script's path (or the module, from :func:`load_script`).
         argv: the script's own arguments (``--strategy fully_sharded``...).
-        topology: a TPU topology name (``"v5e:4x4"``), see
-            :func:`dtensor.tpu_topology`.
-        num_slices: slices of that topology, joined by DCN.
+        topology: a TPU topology name (``"v5e:4x4"``, see
+            :func:`dtensor.tpu_topology`) or a GPU one (``"h100:2x8"``, see
+            :func:`dtensor.gpu_topology`).
+        num_slices: slices of that topology, joined by DCN (TPU) or the
+            network between hosts (GPU).
 
     Returns:
         An :class:`AotResult`; ``.report`` is the :class:`dtensor.Report`.
@@ -136,10 +142,8 @@ def compile_script(
         AotError: the script or its hook's result is unusable.
         dtensor.tpu.topology.TopologyError: an unknown topology.
     """
-    from dtensor.tpu.topology import tpu_topology
-
     module = script if isinstance(script, ModuleType) else load_script(script)
-    devices = tpu_topology(topology, num_slices=num_slices)
+    devices = topology_devices(topology, num_slices=num_slices)
     got = getattr(module, HOOK)(list(argv), devices=devices)
     if not (isinstance(got, tuple) and len(got) == 3 and hasattr(got[0], "explain")):
         raise AotError(
@@ -157,28 +161,57 @@ def compile_script(
     return AotResult(report, strategy, topology, num_slices, devices, seconds)
 
 
+def topology_devices(topology: str, *, num_slices: int = 1) -> list[Any]:
+    """The devices of a TPU topology (``"v5e:4x4"``) or a GPU one (``"h100:2x8"``).
+
+    Examples:
+        >>> from dtensor.tpu.aot import topology_devices
+        >>> len(topology_devices("h100:2x8", num_slices=2)), len(topology_devices("v5e:2x2"))
+        (32, 4)
+    """
+    from dtensor.gpu.topology import GPU_MODELS, gpu_topology, parse_gpu_topology
+    from dtensor.tpu.topology import tpu_topology
+
+    if topology.strip().lower().partition(":")[0] not in GPU_MODELS:
+        return tpu_topology(topology, num_slices=num_slices)
+    model, slices, hosts, per_host = parse_gpu_topology(topology)
+    if num_slices > 1 and slices > 1:
+        raise AotError(
+            f"--topology {topology} already names {slices} slices; drop --num-slices {num_slices} "
+            f"or write the topology as {model}:{hosts}x{per_host}."
+        )
+    return gpu_topology(f"{model}:{max(slices, num_slices)}x{hosts}x{per_host}")
+
+
 def _human(n: float | None) -> str:
     return "-" if n is None else human_bytes(n)
 
 
 def summary(result: AotResult, *, title: str = "") -> str:
-    """The per-chip view of an :class:`AotResult`: memory vs HBM, ICI/DCN traffic by kind."""
+    """The per-chip view of an :class:`AotResult`: memory vs HBM, traffic by network and kind."""
     from rich.console import Console
     from rich.table import Table
 
     r = result.report
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     d0 = result.devices[0]
-    slices = f", {result.num_slices} slices over DCN" if result.num_slices > 1 else ""
+    gpu = d0.platform == "gpu"
+    unit, compiler = ("GPU", "XLA:GPU") if gpu else ("chip", "the TPU compiler")
+    if gpu:
+        hosts = len({d.process_index for d in result.devices})
+        slices = f" ({hosts} hosts of {len(result.devices) // hosts})"
+        slices += f", {result.num_slices} slices" if result.num_slices > 1 else ""
+    else:
+        slices = f", {result.num_slices} slices over DCN" if result.num_slices > 1 else ""
     head = title or "dtensor.aot"
     console.print(
         f"{head}: {result.topology}{slices} = {len(result.devices)} {d0.device_kind} devices; "
-        f"{r.mesh}; compiled by the TPU compiler in {result.seconds:.1f} s",
+        f"{r.mesh}; compiled by {compiler} in {result.seconds:.1f} s",
         highlight=False,
         soft_wrap=True,
     )
     fit = r.memory_fit
-    mem = Table(title="memory per chip", show_header=False)
+    mem = Table(title=f"memory per {unit}", show_header=False)
     mem.add_column("figure")
     mem.add_column("bytes", justify="right")
     rows = [
@@ -191,9 +224,11 @@ def summary(result: AotResult, *, title: str = "") -> str:
         rows.append(("code", fit.code_bytes))
         if fit.devices_per_chip > 1:
             rows.append((f"per device x {fit.devices_per_chip} TensorCores", None))
-        rows.append(("peak per chip", fit.bytes_per_chip))
-        rows.append((f"HBM of a {fit.chip} chip", fit.hbm_bytes_per_chip))
-        rows.append(("usable by one program (libtpu)", fit.limit_bytes_per_chip))
+        rows.append((f"peak per {unit}", fit.bytes_per_chip))
+        rows.append((f"HBM of a {fit.chip} {unit}", fit.hbm_bytes_per_chip))
+        share = fit.limit_bytes_per_chip / fit.hbm_bytes_per_chip
+        by = f"JAX's allocator, {share:.0%}" if gpu else "libtpu"
+        rows.append((f"usable by one program ({by})", fit.limit_bytes_per_chip))
     rows.append(("variables (state)", r.state_bytes_per_device))
     rows.append(("variables, ideally sharded", r.ideal_state_bytes_per_device))
     rows.append(("peak (args + temps + outputs - aliased)", r.peak_bytes_per_device))
@@ -202,7 +237,7 @@ def summary(result: AotResult, *, title: str = "") -> str:
         mem.add_row(k, _human(v) if v is not None else "")
     console.print(mem)
 
-    comm = Table(title="communication per chip, one step")
+    comm = Table(title=f"communication per {unit}, one step")
     for name in ("network", "kind", "mesh axes", "ops", "bytes"):
         comm.add_column(name, justify="right" if name in ("ops", "bytes") else "left")
     groups: dict[tuple[str, str, tuple[str, ...]], list[float]] = {}
@@ -212,12 +247,17 @@ def summary(result: AotResult, *, title: str = "") -> str:
         acc[0] += c.count
         acc[1] += c.total_bytes_per_device
     for (net, kind, axes), (ops, nbytes) in sorted(groups.items()):
-        comm.add_row(net.upper(), kind, ",".join(axes) or "-", str(int(ops)), _human(nbytes))
+        label = {"nvlink": "NVLink", "ib": "IB/RoCE"}.get(net, net.upper())
+        comm.add_row(label, kind, ",".join(axes) or "-", str(int(ops)), _human(nbytes))
     if not groups:
         comm.add_row("-", "none", "-", "0", "0 B")
+    split = (
+        f"NVLink {_human(r.nvlink_bytes_per_device)}, InfiniBand/RoCE {_human(r.ib_bytes_per_device)}"
+        if gpu
+        else f"ICI {_human(r.ici_bytes_per_device)}, DCN {_human(r.dcn_bytes_per_device)}"
+    )
     comm.caption = (
-        f"total {_human(r.comm_bytes_per_device)}: ICI {_human(r.ici_bytes_per_device)}, "
-        f"DCN {_human(r.dcn_bytes_per_device)}; minimum for these layouts "
+        f"total {_human(r.comm_bytes_per_device)}: {split}; minimum for these layouts "
         f"{_human(r.min_comm_bytes_per_device)}"
     )
     console.print(comm)
@@ -244,13 +284,20 @@ def summary(result: AotResult, *, title: str = "") -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dtensor.aot",
-        description="Compile a training script's step for a TPU topology (no TPU needed) and "
-        "print its per-chip memory and communication.",
+        description="Compile a training script's step for a TPU or NVIDIA GPU topology (no TPU "
+        "or GPU needed) and print its per-chip memory and communication.",
         epilog="Example: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded "
         "-- examples/train.py --model-size small",
     )
-    p.add_argument("--topology", required=True, help="e.g. v5e:4x4, v5e:16x16, v4:2x2x2, v5p:2x2x2")
-    p.add_argument("--num-slices", type=int, default=1, help="slices joined by DCN (default 1)")
+    p.add_argument(
+        "--topology",
+        required=True,
+        help="TPU: v5e:4x4, v5e:16x16, v4:2x2x2, v5p:2x2x2; GPU: h100:2x8 (hosts x GPUs per "
+        "host), h100:2x2x8 (slices x hosts x GPUs); models h100, h200, a100-80gb, b200",
+    )
+    p.add_argument(
+        "--num-slices", type=int, default=1, help="slices joined by DCN / the network (default 1)"
+    )
     p.add_argument("--strategy", help="passed on to the script as --strategy NAME")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     p.add_argument("--full", action="store_true", help="print the whole explain report too")

@@ -88,7 +88,7 @@ from strategies.coordinator.values import (
     StaleCommit,
 )
 from strategies.presets.parameter_server import ParameterServerStrategy
-from strategies.values import InputContext
+from strategies.replica.values import InputContext
 
 __all__ = ["ClusterCoordinator", "CoordinatorStats"]
 

@@ -42,7 +42,7 @@ from strategies.coordinator.plan import (
     structure,
 )
 from strategies.coordinator.remote import lookup
-from strategies.values import InputContext
+from strategies.replica.values import InputContext
 
 __all__ = ["ParameterService", "WorkerService"]
 

@@ -12,8 +12,8 @@ import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
-from strategies.offload import HOST_MEMORY, has_host_memory
+from strategies.reads.mixed_precision import MixedPrecision
+from strategies.reads.offload import HOST_MEMORY, has_host_memory
 
 __all__ = ["CentralStorageStrategy"]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from dtensor import Layout, LayoutMap, Mesh
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
+from strategies.reads.mixed_precision import MixedPrecision
 
 __all__ = ["LayoutStrategy"]
 

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 
 import dtensor
-from strategies import cross_device_ops as cdo
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
+from strategies.reads.mixed_precision import MixedPrecision
+from strategies.replica import cross_device_ops as cdo
 
 
 class MirroredStrategy(Strategy):
@@ -18,7 +18,7 @@ class MirroredStrategy(Strategy):
 
     By default XLA all-reduces the gradients (one combined all-reduce per
     step). ``cross_device_ops`` picks an explicit reduction instead (see
-    :mod:`strategies.cross_device_ops`); ``HierarchicalCopyAllReduce`` lays the
+    :mod:`strategies.replica.cross_device_ops`); ``HierarchicalCopyAllReduce`` lays the
     devices out as ``("group", "replica")``, ``num_groups`` (default 2) groups
     in device order.
 

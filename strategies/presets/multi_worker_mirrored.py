@@ -8,9 +8,9 @@ from typing import Any
 import jax
 
 import dtensor
-from strategies import cross_device_ops as cdo
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
+from strategies.reads.mixed_precision import MixedPrecision
+from strategies.replica import cross_device_ops as cdo
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -24,7 +24,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     ``communication_options`` (a :class:`strategies.CommunicationOptions`)
     picks the gradient reduction (``implementation``, ``bytes_per_pack``) and a
     step timeout (``timeout_seconds``); ``cross_device_ops`` takes one of
-    :mod:`strategies.cross_device_ops` directly (``HierarchicalCopyAllReduce``:
+    :mod:`strategies.replica.cross_device_ops` directly (``HierarchicalCopyAllReduce``:
     groups are the workers).
 
     Examples:

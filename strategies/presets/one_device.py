@@ -8,7 +8,7 @@ import jax
 
 import dtensor
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
+from strategies.reads.mixed_precision import MixedPrecision
 
 
 class OneDeviceStrategy(Strategy):

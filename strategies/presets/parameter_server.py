@@ -13,8 +13,8 @@ from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from dtensor.runtime.roles import current_role
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
 from strategies.partitioners import Partitioner
+from strategies.reads.mixed_precision import MixedPrecision
 
 __all__ = ["ParameterServerStrategy"]
 

@@ -16,11 +16,11 @@ import dtensor
 from dtensor import Layout, LayoutMap
 from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
-from strategies.mixed_precision import MixedPrecision
-from strategies.param_reads import ReadOptions
-from strategies.sharding import nbytes, shard_largest_dim
-from strategies.swaps import check_remat
-from strategies.swaps import remat_policy as remat_policy_fn
+from strategies.placement.sharding import nbytes, shard_largest_dim
+from strategies.reads.mixed_precision import MixedPrecision
+from strategies.reads.param_reads import ReadOptions
+from strategies.reads.swaps import check_remat
+from strategies.reads.swaps import remat_policy as remat_policy_fn
 
 __all__ = ["HybridStrategy", "TensorParallelStrategy", "megatron_specs"]
 

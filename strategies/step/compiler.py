@@ -30,13 +30,14 @@ from dtensor import Layout, LayoutError
 from dtensor.core.arrays import mesh_of
 from dtensor.core.text import sizes_text
 from dtensor.core.tree import is_variable, leaf_value, path_str, replace_value
-from strategies import context, offload
+from strategies import context
 from strategies.boundary import explicit_axes_error
+from strategies.reads import offload
+from strategies.replica.values import PerReplica, ReplicaContext
 from strategies.step import args as argkinds
 from strategies.step import donation
 from strategies.step.args import abstract_value, var_or_layout
 from strategies.step.cache import FunctionKey, GraphCache, GraphCaches, LRUCache, RecompileMonitor
-from strategies.values import PerReplica, ReplicaContext
 
 if TYPE_CHECKING:
     from strategies.base import Strategy
@@ -351,7 +352,9 @@ class StepCompiler:
 
         def call(state: Any, arrays: list[Any], *, prepare: Any = None) -> Any:
             fn = fn_key.get()  # at trace time: the compiled step holds no strong reference
-            if reduction is not None:  # explicit cross-device ops (strategies.cross_device_ops)
+            if (
+                reduction is not None
+            ):  # explicit cross-device ops (strategies.replica.cross_device_ops)
                 fn = reduction.wrap_step(fn)
             merged = nnx.merge(graphdef, state) if graphdef is not None else ()
             if prepare is not None and graphdef is not None:

@@ -13,7 +13,12 @@ import pytest
 from flax import nnx
 
 import strategies
-from strategies.cross_device_ops import CrossDeviceOpsError, RingAllReduce, StepWatchdog, packs_for
+from strategies.replica.cross_device_ops import (
+    CrossDeviceOpsError,
+    RingAllReduce,
+    StepWatchdog,
+    packs_for,
+)
 from tests.models import MLPModel, linen_step, make_train_step, mlp_batches, mlp_loss, rel_err
 
 GRAD_FLOATS = 16 * 64 + 64 + 64 * 8 + 8  # MLPModel's parameters: 1608 floats
@@ -177,7 +182,7 @@ def test_errors():
             cross_device_ops=strategies.HierarchicalCopyAllReduce(num_groups=2)
         )
     with pytest.raises(CrossDeviceOpsError, match="needs two replica axes"):
-        strategies.cross_device_ops.resolve(
+        strategies.replica.cross_device_ops.resolve(
             strategies.HierarchicalCopyAllReduce(),
             strategies.MirroredStrategy().mesh,
             ("replica",),

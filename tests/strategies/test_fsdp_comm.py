@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import strategies
-from strategies.fsdp_ops import matmul_only_reads, sharded_axes, tag_read
+from strategies.reads.fsdp_ops import matmul_only_reads, sharded_axes, tag_read
 from tests.models import (
     Block,
     MLPModel,

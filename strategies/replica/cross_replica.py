@@ -11,9 +11,9 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout, Mesh, ReduceOp
-from strategies.values import PerReplica
+from strategies.replica.values import PerReplica
 
-__all__ = ["gather", "reduce"]
+__all__ = ["gather", "reduce", "values_from_function"]
 
 
 def reduce(op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -90,3 +90,15 @@ def _check_reduce_axis(value: Any, axis: int | None) -> None:
 @functools.lru_cache(maxsize=64)
 def _jit_reduce(reducer: Any, axes: tuple[int, ...]) -> Any:
     return jax.jit(lambda x: reducer(x, axis=axes))
+
+
+def values_from_function(strategy: Any, value_fn: Any) -> Any:
+    """:meth:`strategies.Strategy.experimental_distribute_values_from_function`."""
+    from strategies.replica.values import ValueContext
+
+    n = strategy.num_replicas_in_sync
+    per = [value_fn(ValueContext(i, n)) for i in range(n)]
+    stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per)
+    return jax.tree.map(
+        lambda x: PerReplica(dtensor.copy_to_mesh(x, strategy.batch_layout(x.ndim))), stacked
+    )

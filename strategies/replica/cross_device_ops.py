@@ -64,9 +64,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strategies import replica_step
-from strategies.replica_step import CrossDeviceOpsError as CrossDeviceOpsError
-from strategies.watchdog import StepWatchdog as StepWatchdog
+from strategies.replica import replica_step
+from strategies.replica.replica_step import CrossDeviceOpsError as CrossDeviceOpsError
+from strategies.replica.watchdog import StepWatchdog as StepWatchdog
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -242,7 +242,7 @@ class CrossDeviceOps:
         """The sum of ``buf`` over the replicas (every replica gets it)."""
         raise NotImplementedError
 
-    # -- compiling a step (see strategies.replica_step) --------------------------
+    # -- compiling a step (see strategies.replica.replica_step) --------------------------
     def wrap_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with the gradient reduction installed in front of its optimizers."""
         return replica_step.wrap_step(self, fn)

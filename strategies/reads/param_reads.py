@@ -1,11 +1,11 @@
 """Reads of NNX parameters shaped inside a traced step: FSDP's gather, casts, remat.
 
 :func:`trace_reads` traces a step on Flax NNX modules after changing, on
-the objects merged inside the trace (:mod:`strategies.swaps`), how
+the objects merged inside the trace (:mod:`strategies.reads.swaps`), how
 parameters are read and how modules are called:
 
 - a variable split over the data axes is gathered at each read with
-  :mod:`strategies.fsdp_ops` (all-gather forward, reduce-scatter of its
+  :mod:`strategies.reads.fsdp_ops` (all-gather forward, reduce-scatter of its
   gradient), where ``ReadOptions.gather`` is set (FullyShardedStrategy,
   HybridStrategy);
 - a floating ``nnx.Param`` is cast to the mixed-precision ``param_dtype``
@@ -32,14 +32,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dtensor import Layout, Mesh
 from dtensor.core.tree import is_variable
-from strategies import swaps
-from strategies.fsdp_ops import (
+from strategies.reads import swaps
+from strategies.reads.fsdp_ops import (
     explicit_region,
     gather_for_compute,
     matmul_only_reads,
     tag_read,
 )
-from strategies.mixed_precision import MixedPrecision
+from strategies.reads.mixed_precision import MixedPrecision
 
 __all__ = ["ReadOptions", "explicit_specs", "trace_reads"]
 
@@ -90,7 +90,7 @@ def trace_reads(
     """Trace ``call(state, arrays, prepare=...)`` with reads and calls shaped by ``options``.
 
     With ``options.gather`` each read of a variable split over
-    ``options.axes`` goes through :func:`strategies.fsdp_ops.gather_for_compute`
+    ``options.axes`` goes through :func:`strategies.reads.fsdp_ops.gather_for_compute`
     on Explicit axes. Where that plan does not apply (arguments that are not
     batches) the step is traced with the other options only; where user
     code fails on Explicit axes, a warning says so and XLA's own plan runs.

@@ -20,7 +20,7 @@ def shard_largest_dim(specs: list[Any], shape: Sequence[int], axis: str, size: i
     dimension divides.
 
     Examples:
-        >>> from strategies.sharding import shard_largest_dim
+        >>> from strategies.placement.sharding import shard_largest_dim
         >>> shard_largest_dim([None, None], (6, 16), "fsdp", 8)
         [None, 'fsdp']
         >>> shard_largest_dim([None], (6,), "fsdp", 8)
@@ -44,7 +44,7 @@ def nbytes(leaf: Any) -> int:
 
     Examples:
         >>> import numpy as np
-        >>> from strategies.sharding import nbytes
+        >>> from strategies.placement.sharding import nbytes
         >>> nbytes(np.zeros((4, 8), np.float32))
         128
     """

@@ -106,7 +106,7 @@ def remat_policy(policy: Any) -> Any:
 
     Examples:
         >>> import jax
-        >>> from strategies.swaps import remat_policy
+        >>> from strategies.reads.swaps import remat_policy
         >>> remat_policy("dots_saveable") is jax.checkpoint_policies.dots_saveable
         True
         >>> remat_policy(None) is None

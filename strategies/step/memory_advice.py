@@ -20,7 +20,7 @@ def accepts(cls: type, option: str) -> bool:
 
     Examples:
         >>> import strategies
-        >>> from strategies.memory_advice import accepts
+        >>> from strategies.step.memory_advice import accepts
         >>> accepts(strategies.FullyShardedStrategy, "min_shard_bytes")
         True
         >>> accepts(strategies.MirroredStrategy, "min_shard_bytes")
@@ -48,7 +48,7 @@ def memory_advice(strategy: Any) -> str:
 
     Examples:
         >>> import strategies
-        >>> from strategies.memory_advice import memory_advice
+        >>> from strategies.step.memory_advice import memory_advice
         >>> "FullyShardedStrategy" in memory_advice(strategies.MirroredStrategy())
         True
         >>> "FullyShardedStrategy" in memory_advice(strategies.FullyShardedStrategy())

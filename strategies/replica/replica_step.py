@@ -1,7 +1,7 @@
 """Running a data-parallel step once per replica, its gradients reduced by a cross-device op.
 
 The mechanism behind a non-default ``cross_device_ops`` (see
-:mod:`strategies.cross_device_ops` for what each choice compiles to): the
+:mod:`strategies.replica.cross_device_ops` for what each choice compiles to): the
 unchanged step runs under ``jax.shard_map`` over the replica axes on its slice
 of the batch, and every ``nnx.Optimizer`` passed to ``run`` gets, for that trace
 only, an optax transformation in front of its own that averages the gradients
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 if TYPE_CHECKING:
-    from strategies.cross_device_ops import CrossDeviceOps
+    from strategies.replica.cross_device_ops import CrossDeviceOps
 
 __all__ = ["CrossDeviceOpsError", "bound", "bound_mesh", "compile_step", "reducing", "wrap_step"]
 

@@ -83,7 +83,7 @@ def gather_for_compute(
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> from jax.sharding import PartitionSpec as P, NamedSharding, AxisType
-        >>> from strategies.fsdp_ops import explicit_region, gather_for_compute
+        >>> from strategies.reads.fsdp_ops import explicit_region, gather_for_compute
         >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
         >>> w = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("fsdp", None)))
         >>> x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("fsdp", None)))
@@ -254,7 +254,7 @@ def matmul_only_reads(jaxpr: Any) -> dict[int, bool]:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> from strategies.fsdp_ops import matmul_only_reads, tag_read
+        >>> from strategies.reads.fsdp_ops import matmul_only_reads, tag_read
         >>> def f(w, b, x):
         ...     return jnp.tanh(x @ tag_read(w, 0).T + tag_read(b, 1))
         >>> matmul_only_reads(jax.make_jaxpr(jax.grad(lambda *a: f(*a).sum()))(jnp.ones((3, 2)), jnp.ones(3), jnp.ones((4, 2))))

@@ -56,7 +56,7 @@ def check_flax_supported() -> None:
     meta = getattr(pytreelib, "PytreeMeta", None)
     if meta is None or "__call__" not in vars(meta):
         raise RuntimeError(
-            "strategies.creation: flax.nnx.pytreelib.PytreeMeta.__call__ is gone in this Flax "
+            "strategies.placement.creation: flax.nnx.pytreelib.PytreeMeta.__call__ is gone in this Flax "
             "version, so models built in strategy.scope() cannot be laid out as they are built. "
             "Pin the Flax version the project is tested with, or build models with "
             "strategy.create(factory)."
@@ -64,7 +64,7 @@ def check_flax_supported() -> None:
     for cls in (nnx.Module, nnx.Optimizer):
         if not isinstance(cls, meta):
             raise RuntimeError(
-                f"strategies.creation: {cls.__name__} is no longer built through PytreeMeta in "
+                f"strategies.placement.creation: {cls.__name__} is no longer built through PytreeMeta in "
                 "this Flax version. Pin the tested Flax version or use strategy.create(factory)."
             )
 
@@ -130,3 +130,35 @@ def placing(strategy: Strategy) -> Iterator[None]:
             _installed -= 1
             if _installed == 0:
                 pytreelib.PytreeMeta.__call__ = _found  # type: ignore[method-assign]
+
+
+def build_in_layouts(strategy: Strategy, factory: Any) -> Any:
+    """:meth:`strategies.Strategy.create`: ``factory()``'s result built directly in its layouts.
+
+    The factory runs abstractly first (``nnx.eval_shape``) to learn the
+    variables, then under ``jax.jit`` with ``out_shardings`` from the
+    strategy's storage layouts, so no variable is materialised whole on one
+    device.
+    """
+    from dtensor import Layout, resolve_layouts
+    from dtensor.core.tree import is_node
+
+    with strategy.mesh, nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+        is_nnx = is_node(abstract)
+        graphdef, abstract_state = nnx.split(abstract) if is_nnx else (None, abstract)
+        layouts, _ = resolve_layouts(abstract_state, strategy.storage_layout_fn, mesh=strategy.mesh)
+        shardings = jax.tree.map(
+            lambda lay: lay.sharding, layouts, is_leaf=lambda v: isinstance(v, Layout)
+        )
+
+        def init() -> Any:
+            made = factory()
+            return nnx.split(made)[1] if is_nnx else made
+
+    # Compile under the mesh the variables are stored on (CentralStorage keeps
+    # them off the compute mesh; jit rejects a context mesh that differs).
+    meshes = {lay.mesh for lay in jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))}
+    with meshes.pop() if len(meshes) == 1 else strategy.mesh, nnx.use_eager_sharding(False):
+        state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state) if graphdef is not None else state

@@ -22,7 +22,7 @@ def has_host_memory(device: Any) -> bool:
 
     Examples:
         >>> import jax
-        >>> from strategies.offload import has_host_memory
+        >>> from strategies.reads.offload import has_host_memory
         >>> has_host_memory(jax.devices()[0])
         True
     """
