@@ -400,7 +400,9 @@ def tensor_rules(cfg: DecoderConfig, axis: str = "tensor") -> list[tuple[str, tu
     Examples:
         >>> from examples.decoder import CONFIGS, tensor_rules
         >>> tensor_rules(CONFIGS["llama2-70b"])[0]
-        ('attn/(query|key|value)$', (None, None, 'tensor', None))
+        ('attn/(query|key|value)$', (None, 'tensor', None))
+        >>> tensor_rules(CONFIGS["llama2-70b"].replace(scan=True))[0][1]   # (layer, d, heads, hd)
+        (None, None, 'tensor', None)
     """
     t, layer = axis, (None,) if cfg.scan else ()
     return [
