@@ -31,6 +31,25 @@ from pathlib import Path
 from typing import Any
 
 from . import common
+from .fsdp_tables import (
+    BATCH,
+    MAXTEXT_GIB,
+    MAXTEXT_ORDER,
+    MAXTEXT_ROWS,
+    OPTION_TEXT,
+    markdown,
+    side_by_side,
+)
+
+__all__ = [
+    "BATCH",
+    "MAXTEXT_GIB",
+    "MAXTEXT_ROWS",
+    "OPTION_TEXT",
+    "markdown",
+    "measure",
+    "side_by_side",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "train.py"
@@ -46,6 +65,26 @@ OPTIONS: dict[str, list[str]] = {
     "bf16 + remat": ["--mixed-precision", "bf16", "--remat"],
     "bf16 + remat + gather at reads": ["--mixed-precision", "bf16", "--remat", "--gather-at-reads"],
     "bf16 + remat + scan": ["--mixed-precision", "bf16", "--remat", "--scan"],
+    "bf16 + remat + scan + offload": [
+        "--mixed-precision",
+        "bf16",
+        "--remat",
+        "--scan",
+        "--offload-optimizer",
+    ],
+    **{
+        f"hybrid tensor={t} + bf16 + remat + scan": [
+            "--strategy",
+            "hybrid",
+            "--tensor",
+            str(t),
+            "--mixed-precision",
+            "bf16",
+            "--remat",
+            "--scan",
+        ]
+        for t in (2, 4, 8)
+    },
 }
 
 #: options compiled with another default matmul precision. "f32 highest" is the float32
@@ -63,6 +102,7 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
     argv = ["--strategy", "fully_sharded", "--model-size", size, "--batch-size", str(batch)]
     argv += ["--seq-len", str(seq), *OPTIONS[option]]
     row: dict[str, Any] = {"size": size, "topology": topology, "option": option, "argv": argv}
+    row["global_batch"] = batch
     if option in PRECISION:
         import jax
 
@@ -108,8 +148,25 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
         comm_by_kind=kinds,
         all_gather_dtypes=sorted({c.dtype for c in report.collectives if c.kind == "all-gather"}),
         reduce_bytes_by_dtype=_reduce_bytes_by_dtype(report.collectives),
+        min_comm_references=report.min_comm_references,
+        step_time_floor_seconds=report.step_time_floor_seconds,
+        mfu_ceiling=report.mfu_ceiling,
+        step_floor=report.to_dict()["step_floor"],
+        mesh=report.mesh,
+        libtpu=_libtpu(),
     )
     return row
+
+
+def _libtpu() -> str | None:
+    from importlib import metadata
+
+    for dist in ("libtpu", "libtpu-nightly"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _reduce_bytes_by_dtype(collectives: Any) -> dict[str, float]:
@@ -250,7 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="2b,7b")
     p.add_argument("--topologies", default="v5e:4x4,v5p:2x2x2")
-    p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument(
+        "--options",
+        default=None,
+        help="options to measure, separated by ',' (or ';' where a name has a comma); default all",
+    )
     p.add_argument(
         "--cpu-sizes", default="tiny", help="sizes also compiled for 8 CPU devices ('' for none)"
     )
@@ -266,6 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--row", nargs=3, metavar=("SIZE", "TOPOLOGY", "OPTION"), help=argparse.SUPPRESS)
     p.add_argument(
+        "--maxtext",
+        action="store_true",
+        help="measure the rows of the side-by-side table with MaxText (MAXTEXT_ROWS) instead "
+        "of --sizes x --topologies x --options",
+    )
+    p.add_argument(
         "--markdown",
         metavar="TOPOLOGY",
         help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing)",
@@ -273,21 +340,35 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.markdown:
         path = (args.out or common.RESULTS) / "fsdp_scale.json"
-        print(markdown(json.loads(path.read_text()), args.markdown))
+        payload = json.loads(path.read_text())
+        print(
+            side_by_side(payload)
+            if args.markdown == "maxtext"
+            else markdown(payload, args.markdown)
+        )
         return
     if args.row:
         common.ensure_devices()
-        print("ROW " + json.dumps(measure(*args.row, args.batch, args.seq), sort_keys=True))
+        size, topology, option = args.row
+        batch = BATCH.get(size, args.batch) if topology != "cpu" else args.batch
+        print("ROW " + json.dumps(measure(size, topology, option, batch, args.seq), sort_keys=True))
         return
-    options = [o.strip() for o in args.options.split(",") if o.strip()]
+    sep = ";" if args.options is not None and ";" in args.options else ","
+    given = args.options.split(sep) if args.options is not None else list(OPTIONS)
+    options = [o.strip() for o in given if o.strip()]
     unknown = [o for o in options if o not in OPTIONS]
     if unknown:
         p.error(f"--options: {unknown} are not options; valid: {', '.join(OPTIONS)}")
     pairs = [(s, t) for s in args.sizes.split(",") if s for t in args.topologies.split(",") if t]
     pairs += [(s, "cpu") for s in args.cpu_sizes.split(",") if s]
     plan = [(s, t, o) for s, t in pairs for o in options]
+    if args.maxtext:
+        plan = [MAXTEXT_ROWS[i] for i in MAXTEXT_ORDER]
     # The judged cases first, then the quick CPU rows, then the rest.
-    plan.sort(key=lambda c: PRIORITY.index(c) if c in PRIORITY else len(PRIORITY) + (c[1] != "cpu"))
+    if not args.maxtext:
+        plan.sort(
+            key=lambda c: PRIORITY.index(c) if c in PRIORITY else len(PRIORITY) + (c[1] != "cpu")
+        )
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {"global_batch": args.batch, "seq_len": args.seq, "rows": rows}
     done: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -304,8 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     def one(case: tuple[str, str, str]) -> None:
         size, topology, option = case
         seq = args.seq if topology != "cpu" else 64
+        batch = BATCH.get(size, args.batch) if topology != "cpu" else args.batch
         row = _skipped(size, topology, option) or _child(
-            size, topology, option, args.batch, seq, args.timeout
+            size, topology, option, batch, seq, args.timeout
         )
         if _unavailable(row.get("applied", {})):
             row["note"] = "an option is not available in this version of FullyShardedStrategy"
@@ -387,55 +469,6 @@ def _print(payload: dict[str, Any]) -> None:
             for t in payload.get("targets", [])
         ],
     )
-
-
-#: how the options are written in the README's table
-OPTION_TEXT = {
-    "default": "default (XLA's plan on TPU)",
-    "gather at reads": "`gather_at_read=True` (+ reshard)",
-    "gather at reads, reshard off": "`gather_at_read=True, reshard_after_forward=False`",
-    "xla plan": "`gather_at_read=False`",
-    "f32 highest": "float32, matmul precision HIGHEST",
-    "bf16": "`MixedPrecision()`",
-    "bf16 + remat": "`MixedPrecision()` + `remat=(Block,)`",
-    "bf16 + remat + gather at reads": "`MixedPrecision()` + `remat=(Block,)` + `gather_at_read=True`",
-    "bf16 + remat + scan": "`MixedPrecision()` + `remat=(Block,)`, layers in `nnx.scan`",
-}
-
-
-def markdown(payload: dict[str, Any], topology: str) -> str:
-    """The rows of one topology as the Markdown table the README and the docs show."""
-    gib = float(1 << 30)
-    order = {k: i for i, k in enumerate(OPTION_TEXT)}
-    rows = sorted(
-        (r for r in payload["rows"] if r["topology"] == topology),
-        key=lambda r: (r["size"], order.get(r["option"], len(order)), r["option"]),
-    )
-    out = [
-        "| model | options | peak per chip | ideal peak | fits HBM | comm / min "
-        "| all-gather per chip | gradient reductions |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        name = OPTION_TEXT.get(r["option"], r["option"])
-        if not r.get("peak_bytes_per_chip"):
-            need = r.get("required_bytes")
-            peak = f"≥ {need / gib:.1f} GiB" if need else "—"
-            fits = "**no**" if r.get("fits") is False else "—"
-            out.append(f"| {r['size']} | {name} | {peak} | — | {fits} | — | — | — |")
-            continue
-        reductions = ", ".join(
-            f"{k} {v / gib:.2f} GiB"
-            for k, v in (r.get("reduce_bytes_by_dtype") or {}).items()
-            if v >= 0.005 * gib
-        )
-        out.append(
-            f"| {r['size']} | {name} | {r['peak_bytes_per_chip'] / gib:.1f} GiB "
-            f"| {r['ideal_peak_bytes_per_device'] / gib:.1f} GiB "
-            f"| {'yes' if r['fits'] else '**no**'} | {r['comm_ratio']:.2f} "
-            f"| {r['all_gather_bytes_per_device'] / gib:.1f} GiB | {reductions or '—'} |"
-        )
-    return "\n".join(out)
 
 
 def common_human(n: float | None) -> str:

@@ -1,7 +1,12 @@
-"""A Llama/Gemma-style decoder in Flax NNX, with the public shapes of Gemma 2B and 7B.
+"""Gemma- and Llama-style decoders in Flax NNX, with the public shapes of Gemma 2B, 7B and
+Gemma 3 12B, and of Llama 2 7B and 70B.
 
-RMSNorm, rotary position embeddings, grouped-query attention, a gated GELU
-MLP and tied input/output embeddings, as in Gemma. Layers are a Python list
+Three kinds of block (``DecoderConfig.block``): ``"gemma"`` (RMSNorm with a
+``1 + scale`` weight, rotary position embeddings, grouped-query attention, a
+gated GELU MLP, tied input/output embeddings); ``"gemma3"`` (the same, plus
+RMSNorm on queries and keys, norms after attention and MLP too, and five
+sliding-window layers to each global one, as Gemma 3); ``"llama"`` (RMSNorm
+with a plain weight, SwiGLU MLP, untied output head, as Llama 2). Layers are a Python list
 (``scan=False``) or one stacked module run by ``nnx.scan`` (``scan=True``).
 Variables are stored as ``param_dtype`` (float32); ``dtype`` is the compute
 dtype each weight read is cast to (bfloat16 gives the MaxText pattern:
@@ -14,6 +19,8 @@ block in the backward pass (``nnx.remat``), keeping only block inputs.
     >>> from examples.decoder import CONFIGS, param_count
     >>> round(param_count(CONFIGS["2b"]) / 1e9, 2), round(param_count(CONFIGS["7b"]) / 1e9, 2)
     (2.51, 8.54)
+    >>> param_count(CONFIGS["llama2-7b"]), param_count(CONFIGS["llama2-70b"])
+    (6738415616, 68976648192)
 
 Large sizes are for ahead-of-time compiles: build them with
 ``nnx.eval_shape(lambda: Decoder(CONFIGS["7b"], rngs=nnx.Rngs(0)))``.
@@ -29,7 +36,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["CONFIGS", "Block", "Decoder", "DecoderConfig", "loss_fn", "param_count"]
+__all__ = [
+    "BLOCKS",
+    "CONFIGS",
+    "Block",
+    "Decoder",
+    "DecoderConfig",
+    "layer_windows",
+    "loss_fn",
+    "model_flops",
+    "param_count",
+    "tensor_rules",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +63,39 @@ class DecoderConfig:
     ffw: int
     max_len: int = 8192
     rope_base: float = 10_000.0
+    block: str = "gemma"
+    #: gemma3: the window of its local (sliding-window) layers, every ``global_every``-th
+    #: layer global with rotary base ``global_rope_base``.
+    sliding_window: int = 1024
+    global_every: int = 6
+    global_rope_base: float = 1_000_000.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan: bool = False
 
+    def __post_init__(self) -> None:
+        if self.block not in BLOCKS:
+            raise ValueError(
+                f"DecoderConfig(block={self.block!r}) is not a block kind; valid: {BLOCKS}."
+            )
+
     def replace(self, **changes: Any) -> DecoderConfig:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def tied(self) -> bool:
+        """Whether the output projection is the input embedding (Gemma) or its own (Llama)."""
+        return self.block != "llama"
 
-#: Size presets. ``2b`` and ``7b`` are Gemma's public shapes.
+
+#: The block kinds.
+BLOCKS = ("gemma", "gemma3", "llama")
+
+
+#: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b`` are the
+#: public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of those blocks, for tests.
 CONFIGS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(
         vocab=128, d_model=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffw=128
@@ -69,14 +109,64 @@ CONFIGS: dict[str, DecoderConfig] = {
     "7b": DecoderConfig(
         vocab=256128, d_model=3072, layers=28, heads=16, kv_heads=16, head_dim=256, ffw=24576
     ),
+    # Gemma 3 12B (the text decoder; MaxText's gemma3-12b), Llama 2 7B and 70B (MaxText's
+    # llama2-7b, llama2-70b): hidden, layers, heads, KV heads, head dim, MLP, vocab as published.
+    "gemma3-12b": DecoderConfig(
+        vocab=262144,
+        d_model=3840,
+        layers=48,
+        heads=16,
+        kv_heads=8,
+        head_dim=256,
+        ffw=15360,
+        block="gemma3",
+    ),
+    "llama2-7b": DecoderConfig(
+        vocab=32000,
+        d_model=4096,
+        layers=32,
+        heads=32,
+        kv_heads=32,
+        head_dim=128,
+        ffw=11008,
+        block="llama",
+    ),
+    "llama2-70b": DecoderConfig(
+        vocab=32000,
+        d_model=8192,
+        layers=80,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        ffw=28672,
+        block="llama",
+    ),
+    "tiny-gemma3": DecoderConfig(
+        vocab=128,
+        d_model=64,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        ffw=128,
+        block="gemma3",
+        sliding_window=4,
+        global_every=2,
+    ),
+    "tiny-llama": DecoderConfig(
+        vocab=128, d_model=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffw=128, block="llama"
+    ),
 }
 
 
 def param_count(cfg: DecoderConfig) -> int:
-    """Parameters of a decoder (embeddings included, counted once: they are tied)."""
+    """Parameters of a decoder (embeddings included; counted once where they are tied)."""
     d, h, k, hd, f = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffw
     block = 2 * d + d * h * hd * 2 + d * k * hd * 2 + 3 * d * f
-    return cfg.vocab * d + cfg.layers * block + d
+    if cfg.block == "gemma3":
+        block += 2 * d + 2 * hd  # post-attention and post-MLP norms; query and key norms
+    embeddings = cfg.vocab * d * (1 if cfg.tied else 2)
+    return embeddings + cfg.layers * block + d
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, cfg: DecoderConfig) -> nnx.Param:
@@ -85,16 +175,19 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, cfg: DecoderConf
 
 
 class RMSNorm(nnx.Module):
-    """``x / rms(x) * (1 + scale)`` (Gemma's form: the scale starts at 0)."""
+    """``x / rms(x) * (1 + scale)`` (Gemma's form: the scale starts at 0), or
+    ``x / rms(x) * scale`` (Llama's: it starts at 1)."""
 
     def __init__(self, dim: int, cfg: DecoderConfig):
-        self.scale = nnx.Param(jnp.zeros((dim,), cfg.param_dtype))
+        self.offset = 0.0 if cfg.block == "llama" else 1.0
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, cfg.param_dtype))
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype or x.dtype)
+        scale = self.offset + self.scale[...].astype(jnp.float32)
+        return (y * scale).astype(self.dtype or x.dtype)
 
 
 def _read(param: nnx.Param, dtype: Any) -> jax.Array:
@@ -103,7 +196,7 @@ def _read(param: nnx.Param, dtype: Any) -> jax.Array:
     return value if dtype is None else value.astype(dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, base: float | jax.Array) -> jax.Array:
     """Rotary embeddings on ``x`` of shape (batch, seq, heads, head_dim)."""
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -123,18 +216,32 @@ class Attention(nnx.Module):
         self.key = _param(rngs, (d, k, hd), d, cfg)
         self.value = _param(rngs, (d, k, hd), d, cfg)
         self.out = _param(rngs, (h, hd, d), h * hd, cfg)
+        if cfg.block == "gemma3":
+            self.query_norm = RMSNorm(hd, cfg)
+            self.key_norm = RMSNorm(hd, cfg)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        window: jax.Array | None = None,
+        base: jax.Array | None = None,
+    ) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.dtype
         q = jnp.einsum("bsd,dhk->bshk", x, _read(self.query, dt))
         k = jnp.einsum("bsd,dhk->bshk", x, _read(self.key, dt))
         v = jnp.einsum("bsd,dhk->bshk", x, _read(self.value, dt))
-        q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+        if cfg.block == "gemma3":
+            q, k = self.query_norm(q), self.key_norm(k)
+        base = cfg.rope_base if base is None else base
+        q, k = rope(q, positions, base), rope(k, positions, base)
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, group, hd) * (hd**-0.5)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         causal = positions[:, None] >= positions[None, :]
+        if window is not None:  # a sliding-window layer sees the last ``window`` positions
+            causal = causal & (positions[:, None] - positions[None, :] < window)
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
@@ -142,32 +249,49 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Gated GELU feed-forward: ``down(gelu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, GELU (Gemma) or SiLU (Llama's SwiGLU)."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.gate = _param(rngs, (cfg.d_model, cfg.ffw), cfg.d_model, cfg)
         self.up = _param(rngs, (cfg.d_model, cfg.ffw), cfg.d_model, cfg)
         self.down = _param(rngs, (cfg.ffw, cfg.d_model), cfg.ffw, cfg)
         self.dtype = cfg.dtype
+        self.act = jax.nn.silu if cfg.block == "llama" else jax.nn.gelu
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        h = jax.nn.gelu(x @ _read(self.gate, dt)) * (x @ _read(self.up, dt))
+        h = self.act(x @ _read(self.gate, dt)) * (x @ _read(self.up, dt))
         return h @ _read(self.down, dt)
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer: attention then MLP, each with a residual."""
+    """One pre-norm decoder layer: attention then MLP, each with a residual (Gemma 3: each
+    output normed too). ``window``/``base``: a Gemma 3 layer's attention window and rotary base."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         self.mlp = MLP(cfg, rngs)
+        if cfg.block == "gemma3":
+            self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
+            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        window: jax.Array | None = None,
+        base: jax.Array | None = None,
+    ) -> jax.Array:
+        y = self.attn(self.attn_norm(x), positions, window, base)
+        if hasattr(self, "post_attn_norm"):
+            y = self.post_attn_norm(y)
+        x = x + y
+        y = self.mlp(self.mlp_norm(x))
+        if hasattr(self, "post_mlp_norm"):
+            y = self.post_mlp_norm(y)
+        return x + y
 
 
 def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -179,8 +303,21 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(table, tokens, axis=0)
 
 
-def _run_block(block: Block, x: jax.Array, positions: jax.Array) -> jax.Array:
-    return block(x, positions)
+def _run_block(
+    block: Block, x: jax.Array, positions: jax.Array, window: Any = None, base: Any = None
+) -> jax.Array:
+    return block(x, positions, window, base)
+
+
+def layer_windows(cfg: DecoderConfig) -> tuple[jax.Array, jax.Array] | None:
+    """Gemma 3's attention window and rotary base of each layer (``None`` for other blocks):
+    every ``global_every``-th layer is global (its window the whole ``max_len``)."""
+    if cfg.block != "gemma3":
+        return None
+    local = [(i + 1) % cfg.global_every != 0 for i in range(cfg.layers)]
+    windows = jnp.asarray([cfg.sliding_window if g else cfg.max_len for g in local], jnp.int32)
+    bases = jnp.asarray([cfg.rope_base if g else cfg.global_rope_base for g in local], jnp.float32)
+    return windows, bases
 
 
 class Decoder(nnx.Module):
@@ -200,25 +337,82 @@ class Decoder(nnx.Module):
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg)
+        if not cfg.tied:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab), cfg.d_model, cfg)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         embed = _read(self.embed, cfg.dtype)
-        x = lookup(embed, tokens) * jnp.asarray(math.sqrt(cfg.d_model), embed.dtype)
+        x = lookup(embed, tokens)
+        if cfg.block != "llama":  # Gemma scales its embeddings by sqrt(d_model)
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), embed.dtype)
         positions = jnp.arange(tokens.shape[-1])
         run = nnx.remat(_run_block, prevent_cse=not cfg.scan) if cfg.remat else _run_block
+        per_layer = layer_windows(cfg)
         if cfg.scan:
+            if per_layer is None:
 
-            @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
-            def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
-                return run(block, x, positions)
+                @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+                def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
+                    return run(block, x, positions)
 
-            x = body(x, self.layers, positions)
+                x = body(x, self.layers, positions)
+            else:
+
+                @nnx.scan(in_axes=(nnx.Carry, 0, None, 0, 0), out_axes=nnx.Carry)
+                def body_w(x: Any, block: Block, positions: Any, window: Any, base: Any) -> Any:
+                    return run(block, x, positions, window, base)
+
+                x = body_w(x, self.layers, positions, *per_layer)
         else:
-            for block in self.blocks:
-                x = run(block, x, positions)
+            for i, block in enumerate(self.blocks):
+                extra = () if per_layer is None else (per_layer[0][i], per_layer[1][i])
+                x = run(block, x, positions, *extra)
         x = self.final_norm(x)
-        return jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
+        if cfg.tied:
+            return jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
+        return jnp.einsum("bsd,dv->bsv", x, _read(self.head, cfg.dtype)).astype(jnp.float32)
+
+
+def model_flops(cfg: DecoderConfig, batch: int, seq: int) -> float:
+    """One training step's model FLOPs, as MFU counts them (PaLM, Chowdhery et al. 2022,
+    appendix B): ``6 x matmul parameters x tokens`` plus attention's
+    ``12 x layers x heads x head_dim x seq x tokens``. Norm scales and an untied input
+    embedding (a lookup) are not matmul parameters.
+
+    Examples:
+        >>> from examples.decoder import CONFIGS, model_flops
+        >>> round(model_flops(CONFIGS["llama2-7b"], 1, 4096) / 1e12, 1)   # TFLOPs per sequence
+        188.8
+    """
+    d, h, k, hd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
+    matmul = cfg.layers * (2 * d * h * hd + 2 * d * k * hd + 3 * d * cfg.ffw) + cfg.vocab * d
+    tokens = batch * seq
+    return 6.0 * matmul * tokens + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq * tokens
+
+
+def tensor_rules(cfg: DecoderConfig, axis: str = "tensor") -> list[tuple[str, tuple[Any, ...]]]:
+    """Megatron's tensor-parallel layouts of this decoder's variables, as ``(regex, specs)``
+    rules (``HybridStrategy(rules=...)``): query/key/value and the MLP's gate/up split
+    their heads or features, the attention out and MLP down their input, the embeddings
+    (and Llama's head) the vocabulary. Scanned layers carry a leading layer dimension.
+
+    Examples:
+        >>> from examples.decoder import CONFIGS, tensor_rules
+        >>> tensor_rules(CONFIGS["llama2-70b"])[0]
+        ('attn/(query|key|value)$', (None, 'tensor', None))
+        >>> tensor_rules(CONFIGS["llama2-70b"].replace(scan=True))[0][1]   # (layer, d, heads, hd)
+        (None, None, 'tensor', None)
+    """
+    t, layer = axis, (None,) if cfg.scan else ()
+    return [
+        (r"attn/(query|key|value)$", (*layer, None, t, None)),
+        (r"attn/out$", (*layer, t, None, None)),
+        (r"mlp/(gate|up)$", (*layer, None, t)),
+        (r"mlp/down$", (*layer, t, None)),
+        (r"(^|/)embed$", (t, None)),
+        (r"(^|/)head$", (None, t)),
+    ]
 
 
 def loss_fn(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:

@@ -40,13 +40,24 @@ SIZES = {
 }
 VOCAB = 128  # ASCII; anything else becomes '?'
 # The Gemma-style decoder of examples/decoder.py (its CONFIGS), for ahead-of-time compiles.
-DECODER_SIZES = ("tiny", "2b", "7b")
+DECODER_SIZES = (
+    "tiny",
+    "tiny-gemma3",
+    "tiny-llama",
+    "2b",
+    "7b",
+    "gemma3-12b",
+    "llama2-7b",
+    "llama2-70b",
+)
 #: How the last aot_step applied --mixed-precision / --remat / ... (read by benchmarks).
 LAST_OPTIONS: dict[str, str] = {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--strategy", default="mirrored", help="a preset name (see --list-strategies)")
     p.add_argument("--list-strategies", action="store_true", help="list the presets and exit")
     p.add_argument("--steps", type=int, default=1000, help="total training steps (default 1000)")
@@ -54,11 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-size",
         choices=[*SIZES, *DECODER_SIZES],
         default="demo",
-        help="demo/small/medium: the character-level model; tiny/2b/7b: the Gemma-style decoder "
-        "of examples/decoder.py, for python -m dtensor.aot (its aot_step)",
+        help="demo/small/medium: the character-level model; tiny, 2b, 7b (Gemma), gemma3-12b, "
+        "llama2-7b, llama2-70b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
+        "for python -m dtensor.aot (its aot_step; the large ones are only ever built abstractly)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="sequence length (default: the size's)"
+    )
     p.add_argument(
         "--mixed-precision",
         choices=["none", "bf16"],
@@ -72,12 +86,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recompute each block in the backward pass (the preset's remat= where it takes it, "
         "else the decoder's own nnx.remat)",
     )
-    p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP: keep gathered weights for the backward pass")
-    p.add_argument("--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)")
-    p.add_argument("--gather-at-reads", action="store_true", help="FSDP: gather_at_read=True (the default on CPU only)")
-    p.add_argument("--model-remat", action="store_true", help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)")
-    p.add_argument("--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory")
+    p.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP: keep gathered weights for the backward pass",
+    )
+    p.add_argument(
+        "--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)"
+    )
+    p.add_argument(
+        "--gather-at-reads",
+        action="store_true",
+        help="FSDP: gather_at_read=True (the default on CPU only)",
+    )
+    p.add_argument(
+        "--model-remat",
+        action="store_true",
+        help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)",
+    )
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory"
+    )
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
+    p.add_argument(
+        "--remat-policy",
+        default=None,
+        help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
+    )
+    p.add_argument(
+        "--tensor",
+        type=int,
+        default=None,
+        help="hybrid: the tensor-parallel size (the rest of the devices go to fsdp; the decoder's "
+        "Megatron rules); default: the registry's data x fsdp x tensor",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
     p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go: a directory or a gs:// URL")
@@ -85,8 +127,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run")
     p.add_argument("--sample-chars", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary line (no tables, no progress bar)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with the run's results on stdout, nothing else")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the final summary line (no tables, no progress bar)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with the run's results on stdout, nothing else",
+    )
     return p.parse_args(argv)
 
 
@@ -167,7 +217,12 @@ def make_model_cls():
         def __init__(self, dim: int, heads: int, mlp: int, rngs: nnx.Rngs):
             self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
             self.attn = nnx.MultiHeadAttention(
-                num_heads=heads, in_features=dim, qkv_features=dim, decode=False, use_bias=False, rngs=rngs
+                num_heads=heads,
+                in_features=dim,
+                qkv_features=dim,
+                decode=False,
+                use_bias=False,
+                rngs=rngs,
             )
             self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
             self.up = nnx.Linear(dim, mlp, rngs=rngs)
@@ -216,7 +271,9 @@ def decoder_module():
 
     name = "_dtensor_example_decoder"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "decoder.py")
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parent / "decoder.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -231,8 +288,9 @@ def decoder_train_step(model, optimizer, batch):
     return loss
 
 
-def build_strategy(args: argparse.Namespace, devices, block_cls=None):
-    """The preset named by ``--strategy`` over ``devices``, with the options it takes.
+def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None):
+    """The preset named by ``--strategy`` over ``devices``, with the options it takes
+    (``rules``: the model's tensor-parallel rules, for ``hybrid`` with ``--tensor`` > 1).
 
     Returns ``(strategy, model_changes, applied)``: options the preset does not take
     fall back to the decoder's own (``dtype``/``remat``) where it has them, else are
@@ -251,7 +309,9 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
     decoder = block_cls is not None
     if args.mixed_precision == "bf16":
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
-            wanted["mixed_precision"] = strategies.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+            wanted["mixed_precision"] = strategies.MixedPrecision(
+                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
+            )
             applied["mixed_precision"] = "strategy"
         elif decoder:
             model_changes["dtype"] = jnp.bfloat16
@@ -280,7 +340,32 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None):
             applied[option] = "strategy" if ok else "not available"
             if ok:
                 wanted[option] = value
-    if wanted:
+    if args.remat and args.remat_policy:
+        ok = "remat" in wanted
+        applied["remat_policy"] = "strategy" if ok else "not available"
+        if ok:
+            wanted["remat_policy"] = args.remat_policy
+    hybrid = cls.__name__ == "HybridStrategy"
+    if hybrid and (args.tensor or decoder):
+        tensor = args.tensor or 1
+        if len(devices) % tensor:
+            raise ValueError(
+                f"--tensor {tensor} does not divide the {len(devices)} devices; pass a divisor of it."
+            )
+        extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
+        if "offload_optimizer" in wanted:
+            applied["offload_optimizer"] = "not available"
+            wanted.pop("offload_optimizer")
+        strategy = cls(
+            1,
+            len(devices) // tensor,
+            tensor,
+            devices=list(devices),
+            min_shard_bytes=0,
+            **extra,
+            **wanted,
+        )
+    elif wanted:
         if cls.__name__ != "FullyShardedStrategy":
             applied.update({k: "not available" for k in wanted})
         else:
@@ -298,7 +383,12 @@ def aot_step(argv: list[str], *, devices):
 
     args = parse_args(argv)
     decoder = decoder_module() if args.model_size in DECODER_SIZES else None
-    strategy, changes, applied = build_strategy(args, devices, decoder.Block if decoder else None)
+    rules = None
+    if decoder is not None:
+        rules = decoder.tensor_rules(decoder.CONFIGS[args.model_size].replace(scan=args.scan))
+    strategy, changes, applied = build_strategy(
+        args, devices, decoder.Block if decoder else None, rules=rules
+    )
     LAST_OPTIONS.clear()
     LAST_OPTIONS.update(applied)
     for option, how in applied.items():
@@ -314,7 +404,9 @@ def aot_step(argv: list[str], *, devices):
 
         def build():
             model = decoder.Decoder(cfg, rngs=nnx.Rngs(args.seed))
-            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+            return model, nnx.Optimizer(
+                model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param
+            )
 
         step = decoder_train_step
     else:
@@ -324,13 +416,26 @@ def aot_step(argv: list[str], *, devices):
 
         def build():
             model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
-            return model, nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+            return model, nnx.Optimizer(
+                model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param
+            )
 
         step = train_step
 
     model, optimizer = nnx.eval_shape(build)
     batch = {k: jax.ShapeDtypeStruct((args.batch_size, seq), jnp.int32) for k in ("x", "y")}
     return strategy, step, (model, optimizer, batch)
+
+
+def model_flops(argv: list[str]) -> float | None:
+    """For ``python -m dtensor.aot``: one step's model FLOPs (the decoder's; ``None`` else)."""
+    args = parse_args(argv)
+    if args.model_size not in DECODER_SIZES:
+        return None
+    decoder = decoder_module()
+    return decoder.model_flops(
+        decoder.CONFIGS[args.model_size], args.batch_size, args.seq_len or 1024
+    )
 
 
 # ---------------------------------------------------------------------- views
@@ -454,13 +559,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.model_size in DECODER_SIZES:
-        console.print(f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}")
+        console.print(
+            f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}"
+        )
         return 2
     strategy = strategies.from_name(args.strategy)
     dim, layers, heads, mlp, seq = SIZES[args.model_size]
     seq = args.seq_len or seq
     if args.batch_size % strategy.num_replicas_in_sync:
-        console.print(f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas.")
+        console.print(
+            f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas."
+        )
         return 2
 
     corpus = build_corpus()
@@ -486,7 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     layouts, rules = strategy.variable_layouts(model)
     console.print(
         dtensor.core.text.layouts_table(
-            model, layouts, rules, title=f"variable layouts under {args.strategy}", width=console.width
+            model,
+            layouts,
+            rules,
+            title=f"variable layouts under {args.strategy}",
+            width=console.width,
         )
     )
     console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
@@ -513,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def on_preempt() -> None:
-        console.print(f"[bold yellow]preempted:[/] checkpoint saved at step {handler.total_run_calls} in {ckpt_dir}; run again to resume.")
+        console.print(
+            f"[bold yellow]preempted:[/] checkpoint saved at step {handler.total_run_calls} in {ckpt_dir}; run again to resume."
+        )
         sys.exit(0)
 
     handler = PreemptionCheckpointHandler(
@@ -529,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     if start:
         console.print(f"resumed from the checkpoint at step {start}")
     if start >= args.steps:
-        console.print(f"already trained {start} steps; pass --steps N (> {start}) to go on, or --fresh to start over.")
+        console.print(
+            f"already trained {start} steps; pass --steps N (> {start}) to go on, or --fresh to start over."
+        )
 
     losses: list[tuple[int, float]] = []
     pending: list[tuple[int, object]] = []
@@ -595,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.quiet:
             first, last = summary["loss_first"], summary["loss_last"]
             loss = f"loss {first:.3f} -> {last:.3f}" if losses else "no steps run"
-            print(f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s")
+            print(
+                f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s"
+            )
     return 0
 
 

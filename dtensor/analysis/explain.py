@@ -20,6 +20,13 @@ sharded on (tensor parallel), ``S' = S / t``:
   ``3(k-1)/k * S'``, plus, when also replicated over other data axes
   (hybrid), an all-reduce of the scattered gradient ``2(r-1)/r * S'/k``.
 
+For the leaves split over the data axes that figure is the ZeRO reference;
+where the per-matmul reference of :mod:`dtensor.analysis.minimum` (each
+matmul that reads such a weight: the cheaper of gathering the weight and
+moving its batch-split activations) is lower, the minimum takes it, so it is
+a lower bound on XLA's plan whichever it chose. ``Report.min_comm_references``
+gives both, by name.
+
 Leaves that do not receive a gradient cost nothing: by default those whose
 path has an ``opt_state`` component (optax and ``nnx.Optimizer`` state) and
 those of non-float dtype (step counters, RNG keys); ``grad_paths`` overrides
@@ -37,7 +44,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
+from dtensor.analysis.minimum import minimum_for
+from dtensor.analysis.minimum import split_over_data as _split_over_data
 from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
 from dtensor.core.layout import Layout
@@ -167,6 +177,7 @@ def explain(
     replicated_warn_bytes: int = 1 << 20,
     ideal_peak: Callable[[PeakTerms], int] | None = None,
     advice: str | None = None,
+    model_flops: float | None = None,
     **kwargs: Any,
 ) -> Report:
     """Compile ``fn(*args, **kwargs)`` (never run it) and report its cost.
@@ -201,6 +212,9 @@ def explain(
         advice: what would lower the memory, for the verdict of a program
             that does not fit (default: shard the variables, shrink the
             batch, use more chips). Strategies pass their own.
+        model_flops: the model FLOPs of one call (``6 x parameters x
+            tokens`` plus attention), for ``Report.mfu_ceiling``; also
+            settable later with ``Report.with_model_flops``.
         **kwargs: keyword arguments of ``fn`` (any but the names above).
 
     Returns:
@@ -274,10 +288,13 @@ def explain(
     jaxpr = traced.jaxpr if traced is not None else None
     terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh)
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
+    floor = floor_for(jaxpr, collectives, _network_bytes(collectives, "dcn", slices), mesh)
+    minimum, references = minimum_for(jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh)
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
-        min_comm_bytes_per_device=float(activation_bytes_min) + sum(m for _, m in infos),
+        min_comm_bytes_per_device=float(activation_bytes_min) + minimum,
+        min_comm_references=references,
         argument_bytes_per_device=_mem(mem, "argument_size_in_bytes"),
         output_bytes_per_device=_mem(mem, "output_size_in_bytes"),
         temp_bytes_per_device=_mem(mem, "temp_size_in_bytes"),
@@ -297,6 +314,8 @@ def explain(
         peak_bytes_per_device=_peak(mem),
         ideal_peak_bytes_per_device=ideal,
         ideal_peak_terms=terms,
+        step_floor=floor,
+        model_flops=model_flops,
     )
 
 
@@ -475,12 +494,6 @@ def _variables(
             )
             findings.append(Finding("replicated", p, msg))
     return rows, findings
-
-
-def _split_over_data(v: VariableInfo, data: tuple[str, ...]) -> bool:
-    """Whether ``v`` is split (not only replicated) over one of the data axes."""
-    axes = set(v.layout.replace("(", ",").replace(")", ",").strip("[]").replace(" ", "").split(","))
-    return v.bytes_per_device < v.global_bytes and bool(axes & set(data))
 
 
 def _full_size_reductions(

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from dtensor.analysis.hardware import CHIPS, GENERATIONS
+from dtensor.analysis.hardware import USABLE_HBM_GIB as USABLE_HBM_GIB
 from dtensor.core.text import human_bytes
 from dtensor.gpu.specs import gpu_spec, memory_fraction
 
@@ -42,23 +44,11 @@ __all__ = [
 
 GIB = 1 << 30
 
-#: HBM per chip, GiB, by TPU generation.
-CHIP_HBM_GIB: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
-
-#: HBM per device (TensorCore on v4) that the TPU compiler lets one program use, GiB: the
-#: "available HBM" of its out-of-memory error (libtpu 0.0.42; the rest is reserved).
-USABLE_HBM_GIB: dict[str, float] = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
+#: HBM per chip, GiB, by TPU generation (from :data:`dtensor.analysis.hardware.CHIPS`).
+CHIP_HBM_GIB: dict[str, float] = {c.generation: c.hbm_gib for c in CHIPS.values()}
 
 # ``device_kind`` -> generation.
-_KINDS = {
-    "TPU v4": "v4",
-    "TPU v5 lite": "v5e",
-    "TPU v5e": "v5e",
-    "TPU v5": "v5p",
-    "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e",
-    "TPU v6e": "v6e",
-}
+_KINDS = GENERATIONS
 
 
 class WillNotFitError(ValueError):

@@ -77,6 +77,16 @@ class Report:
 
     ``peak_bytes_per_device`` is XLA's peak, ``arguments + temporaries +
     outputs - aliased`` (``None`` without a memory analysis);
+    ``min_comm_references`` names the two references the minimum is the lower
+    of (``None`` when no variable is split over the data axes): the weights
+    gathered (ZeRO) and, per matmul, the cheaper of moving the weight or the
+    activations (:mod:`dtensor.analysis.minimum`); each counts the variables
+    not split over the data axes the same way, and neither the caller's
+    ``activation_bytes_min``.
+    ``step_floor`` (a :class:`dtensor.analysis.floor.StepFloor`, ``None`` for
+    a chip not in :data:`dtensor.analysis.hardware.CHIPS`) gives
+    ``step_time_floor_seconds``; with ``model_flops`` (one call's model
+    FLOPs) it gives ``mfu_ceiling``.
     ``ideal_peak_bytes_per_device`` the ZeRO formula's for the preset,
     ``state + gradients + two largest gathered variables + activations (as
     remat leaves them) + batch``, per device, and ``ideal_peak_terms`` its
@@ -106,6 +116,27 @@ class Report:
     peak_bytes_per_device: int | None = None
     ideal_peak_bytes_per_device: int | None = None
     ideal_peak_terms: Any = None
+    min_comm_references: dict[str, float] | None = None
+    step_floor: Any = None
+    model_flops: float | None = None
+
+    @property
+    def step_time_floor_seconds(self) -> float | None:
+        """The step's time floor on its chip (``step_floor.seconds``; ``None`` off the
+        hardware table): its matmul FLOPs at peak, or its collectives at ICI/DCN bandwidth,
+        whichever is larger (:mod:`dtensor.analysis.floor`)."""
+        return None if self.step_floor is None else self.step_floor.seconds
+
+    @property
+    def mfu_ceiling(self) -> float | None:
+        """The model-FLOPs utilisation the floor allows (``None`` without ``model_flops``)."""
+        if self.step_floor is None or not self.model_flops or not self.step_floor.seconds:
+            return None
+        return self.step_floor.mfu_ceiling(self.model_flops)
+
+    def with_model_flops(self, model_flops: float) -> Report:
+        """This report with ``model_flops`` (one step's ``6 x params x tokens`` + attention)."""
+        return dataclasses.replace(self, model_flops=float(model_flops))
 
     @property
     def peak_ratio(self) -> float | None:
@@ -151,6 +182,14 @@ class Report:
                 )
             ),
             peak_ratio=self.peak_ratio,
+            step_floor=None if self.step_floor is None else self.step_floor.to_dict(),
+            step_time_floor_seconds=self.step_time_floor_seconds,
+            mfu_ceiling=self.mfu_ceiling,
+            min_comm_references=(
+                None
+                if self.min_comm_references is None
+                else dict(sorted(self.min_comm_references.items()))
+            ),
             variables=[v.to_dict() for v in self.variables],
             warnings=[w.to_dict() for w in self.warnings],
         )
@@ -201,6 +240,13 @@ def _render(report: Report) -> str:
         *((k, "-" if v is None else human_bytes(v)) for k, v in mem),
         ("data axes", ", ".join(report.data_axes) or "-"),
     ]
+    for name, value in (report.min_comm_references or {}).items():
+        rows.insert(3, (f"  reference: {name}", human_bytes(value)))
+    floor = report.step_floor
+    if floor is not None:
+        rows.append((f"step-time floor ({floor.bound}-bound)", f"{floor.seconds * 1e3:.1f} ms"))
+        if report.mfu_ceiling is not None:
+            rows.append(("MFU ceiling", f"{report.mfu_ceiling:.1%}"))
     for k, v in rows:
         summary.add_row(k, v)
     parts.append(summary)

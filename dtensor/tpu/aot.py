@@ -154,6 +154,10 @@ def compile_script(
     t0 = time.perf_counter()
     report = strategy.explain(step, args=tuple(args))
     seconds = time.perf_counter() - t0
+    flops_hook = getattr(module, "model_flops", None)
+    flops = flops_hook(list(argv)) if callable(flops_hook) else None
+    if flops:
+        report = report.with_model_flops(flops)
     return AotResult(report, strategy, topology, num_slices, devices, seconds)
 
 
@@ -257,6 +261,18 @@ def summary(result: AotResult, *, title: str = "") -> str:
         f"{_human(r.min_comm_bytes_per_device)}"
     )
     console.print(comm)
+    floor = r.step_floor
+    if floor is not None:
+        mfu = f"; MFU ceiling {r.mfu_ceiling:.1%}" if r.mfu_ceiling is not None else ""
+        dcn = f", DCN {floor.dcn_seconds * 1e3:.1f} ms" if floor.dcn_seconds else ""
+        console.print(
+            f"step-time floor {floor.seconds * 1e3:.1f} ms ({floor.bound}-bound: compute "
+            f"{floor.compute_seconds * 1e3:.1f} ms for {floor.flops_per_device / 1e12:.2f} "
+            f"TFLOP per chip at peak, ICI {floor.ici_seconds * 1e3:.1f} ms{dcn}){mfu}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     if fit is not None:
         verdict = ("OK " if fit.fits else "NO ") + str(fit)
         console.print(verdict, highlight=False, markup=False, soft_wrap=True)
@@ -285,6 +301,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", help="passed on to the script as --strategy NAME")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     p.add_argument("--full", action="store_true", help="print the whole explain report too")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="search the options (bf16, remat, remat policy, scan, optimizer offload, then "
+        "hybrid with a tensor axis) for the cheapest configuration that fits, and print its "
+        "command line (dtensor.tpu.fit)",
+    )
+    p.add_argument("--cache-dir", help="--fit: where compiled results are kept")
+    p.add_argument(
+        "--max-gib",
+        type=float,
+        help="--fit: fit within this many GiB per chip (default: the chip's usable HBM)",
+    )
     p.add_argument("script", nargs="?", help="the training script (or give it after --)")
     return p
 
@@ -305,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         script, rest = rest[0], rest[1:]
     script_argv = unknown + (["--strategy", args.strategy] if args.strategy else []) + rest
+    if args.fit:
+        return _fit(script, script_argv, args)
     from dtensor.analysis.memory import WillNotFitError
 
     try:
@@ -313,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except WillNotFitError as e:
         print(f"dtensor.aot {script} {' '.join(script_argv)} on {args.topology}: NO {e}")
+        if args.json:
+            verdict = {"fits": False, "required_bytes": e.required, "available_bytes": e.available}
+            _write(args.json, {**verdict, "error": str(e)[:600], "topology": args.topology})
         return 1
     except ValueError as e:  # AotError, TopologyError, and the script's own checks
         print(f"error: {e}", file=sys.stderr)
@@ -320,11 +354,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(summary(result, title=f"dtensor.aot {script} {' '.join(script_argv)}".rstrip()))
     if args.full:
         print(result.report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.to_dict(), sort_keys=True, indent=1))
     fit = result.report.memory_fit
+    if args.json:
+        _write(args.json, {**result.to_dict(), "fits": fit is None or fit.fits})
     return 1 if fit is not None and not fit.fits else 0
+
+
+def _write(path: str, payload: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, sort_keys=True, indent=1))
+
+
+def _fit(script: str, script_argv: list[str], args: argparse.Namespace) -> int:
+    """``--fit``: search, print what was tried and the choice with its command line."""
+    from dtensor.tpu.search import fit
+
+    print(f"dtensor.aot --fit: {script} {' '.join(script_argv)} on {args.topology}")
+    try:
+        found = fit(
+            script,
+            script_argv,
+            topology=args.topology,
+            num_slices=args.num_slices,
+            cache_dir=args.cache_dir,
+            max_bytes_per_chip=None if args.max_gib is None else args.max_gib * (1 << 30),
+            log=lambda line: print("  " + line, flush=True),
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write(args.json, found.to_dict())
+    best = found.best
+    if best is None:
+        print("nothing fits: use more chips, a smaller batch, or a larger tensor size.")
+        return 1
+    floor = best.get("step_time_floor_seconds")
+    mfu = best.get("mfu_ceiling")
+    print(
+        f"fits: {best['name']}: peak {_human(best.get('peak_bytes_per_chip'))} per chip"
+        + (f", step-time floor {floor * 1e3:.1f} ms" if floor else "")
+        + (f", MFU ceiling {mfu:.1%}" if mfu else "")
+    )
+    print(found.command())
+    return 0
 
 
 def cli() -> int:

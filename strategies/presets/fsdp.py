@@ -150,4 +150,5 @@ class FullyShardedStrategy(Strategy):
             remat=self.remat,
             remat_policy=self._policy,
             mixed_precision=self.mixed_precision,
+            batch_axes=() if self.gather_at_read else self.batch_axes,
         )

@@ -254,7 +254,9 @@ class HybridStrategy(Strategy):
         pass (2 all-reduces of ``tokens x out_features``); a vocab-parallel
         embedding's lookup is all-reduced once. ``tokens`` is the first batch
         array's elements per data shard (all of them for integer token ids,
-        all but the last dimension for float features). Ring model:
+        all but the last dimension for float features; the first layer's
+        input gradient is not all-reduced when its input is the float
+        batch, which needs none). Ring model:
         ``2(t-1)/t`` bytes per byte all-reduced.
         """
         t = self.mesh.shape["tensor"]
@@ -266,6 +268,7 @@ class HybridStrategy(Strategy):
         integer = np.issubdtype(np.dtype(first.dtype), np.integer)
         tokens = math.prod(shape if integer else shape[:-1]) / self.num_replicas_in_sync
         total = 0.0
+        first_row = 0.0
         leaves = jax.tree_util.tree_leaves_with_path(
             state, is_leaf=lambda v: hasattr(v, "get_value")
         )
@@ -279,8 +282,13 @@ class HybridStrategy(Strategy):
             features = np.shape(value)[-1]
             if rule.startswith("megatron row") and p.endswith("kernel"):
                 total += 2 * tokens * features * item
+                first_row = first_row or tokens * features * item
             elif rule == "megatron vocab":
                 total += tokens * features * item
+        if not integer:
+            # The input of the first (column-parallel) layer is the batch, whose gradient
+            # no one needs: its all-reduce in the backward pass never happens.
+            total -= first_row
         return total * 2 * (t - 1) / t
 
     def read_options(self) -> ReadOptions:
@@ -298,6 +306,7 @@ class HybridStrategy(Strategy):
             remat_policy=self._policy,
             mixed_precision=self.mixed_precision,
             preset=type(self).__name__,
+            batch_axes=() if gather else self.batch_axes,
         )
 
     def rule_name(self, path: str, leaf: Any) -> str | None:

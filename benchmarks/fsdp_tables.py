@@ -1,0 +1,138 @@
+"""The tables of :mod:`benchmarks.fsdp_scale`: its Markdown and the side by side with MaxText."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Global batch (sequences) by model size where it is not ``--batch``: MaxText's
+#: ``per_device_batch_size=1`` over the 64 chips of v5p:4x4x4.
+BATCH: dict[str, int] = {"llama2-70b": 64}
+
+#: MaxText's own peak per chip (arguments + outputs - aliased + temporaries + code) for the
+#: same model, topology and global batch (seq 1024): maxtext 0.2.5 ``train_compile`` with its
+#: defaults (float32 weights, bfloat16 compute, full remat, scanned layers, AdamW, fsdp over
+#: every chip), jax 0.12.0.1 + libtpu 0.0.52, measured on this machine (issue 22; JAX-NOTES.md).
+MAXTEXT_GIB: dict[tuple[str, str], float] = {
+    ("2b", "v5e:4x4"): 4.24,
+    ("7b", "v5e:4x4"): 10.65,
+    ("gemma3-12b", "v5e:4x4"): 14.30,
+    ("llama2-70b", "v5p:4x4x4"): 21.16,
+}
+
+#: The side-by-side rows (``--maxtext``): each MaxText configuration under our presets.
+MAXTEXT_ROWS: list[tuple[str, str, str]] = [
+    ("2b", "v5e:4x4", "bf16 + remat"),
+    ("2b", "v5e:4x4", "bf16 + remat + scan"),
+    ("7b", "v5e:4x4", "bf16 + remat"),
+    ("7b", "v5e:4x4", "bf16 + remat + scan"),
+    ("gemma3-12b", "v5e:4x4", "bf16 + remat + scan"),
+    ("llama2-70b", "v5p:4x4x4", "bf16 + remat + scan"),
+    ("llama2-70b", "v5p:4x4x4", "hybrid tensor=4 + bf16 + remat + scan"),
+    # MaxText's libtpu: compiled in a venv with jax 0.12.0.1 + libtpu 0.0.52 (Python 3.13) by
+    # ``python -m benchmarks.fsdp_scale --row 7b v5e:4x4 "bf16 + remat + scan"``, the row
+    # merged into the results under this option name.
+    ("7b", "v5e:4x4", "bf16 + remat + scan (libtpu 0.0.52)"),
+]
+
+#: The order ``--maxtext`` measures them in (the targets most in doubt first).
+MAXTEXT_ORDER = [3, 4, 5, 6, 1, 0, 2]
+
+
+#: how the options are written in the README's table
+OPTION_TEXT = {
+    "default": "default (XLA's plan on TPU)",
+    "gather at reads": "`gather_at_read=True` (+ reshard)",
+    "gather at reads, reshard off": "`gather_at_read=True, reshard_after_forward=False`",
+    "xla plan": "`gather_at_read=False`",
+    "f32 highest": "float32, matmul precision HIGHEST",
+    "bf16": "`MixedPrecision()`",
+    "bf16 + remat": "`MixedPrecision()` + `remat=(Block,)`",
+    "bf16 + remat + gather at reads": "`MixedPrecision()` + `remat=(Block,)` + `gather_at_read=True`",
+    "bf16 + remat + scan": "`MixedPrecision()` + `remat=(Block,)`, layers in `nnx.scan`",
+    "bf16 + remat + scan (libtpu 0.0.52)": "`MixedPrecision()` + `remat=(Block,)` + scan, on "
+    "libtpu 0.0.52 (MaxText's)",
+    "bf16 + remat + scan + offload": "`MixedPrecision()` + `remat=(Block,)` + scan + "
+    "`offload_optimizer=True`",
+    **{
+        f"hybrid tensor={t} + bf16 + remat + scan": f"`HybridStrategy(tensor={t})` (fsdp over "
+        "the rest) + `MixedPrecision()` + `remat=(Block,)` + scan"
+        for t in (2, 4, 8)
+    },
+}
+
+
+def markdown(payload: dict[str, Any], topology: str) -> str:
+    """The rows of one topology as the Markdown table the README and the docs show."""
+    gib = float(1 << 30)
+    order = {k: i for i, k in enumerate(OPTION_TEXT)}
+    rows = sorted(
+        (r for r in payload["rows"] if r["topology"] == topology),
+        key=lambda r: (r["size"], order.get(r["option"], len(order)), r["option"]),
+    )
+    out = [
+        "| model | options | peak per chip | ideal peak | fits HBM | comm / min "
+        "| all-gather per chip | gradient reductions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = OPTION_TEXT.get(r["option"], r["option"])
+        if not r.get("peak_bytes_per_chip"):
+            need = r.get("required_bytes")
+            peak = f"≥ {need / gib:.1f} GiB" if need else "—"
+            fits = "**no**" if r.get("fits") is False else "—"
+            out.append(f"| {r['size']} | {name} | {peak} | — | {fits} | — | — | — |")
+            continue
+        reductions = ", ".join(
+            f"{k} {v / gib:.2f} GiB"
+            for k, v in (r.get("reduce_bytes_by_dtype") or {}).items()
+            if v >= 0.005 * gib
+        )
+        out.append(
+            f"| {r['size']} | {name} | {r['peak_bytes_per_chip'] / gib:.1f} GiB "
+            f"| {r['ideal_peak_bytes_per_device'] / gib:.1f} GiB "
+            f"| {'yes' if r['fits'] else '**no**'} | {_ratio(r)} "
+            f"| {r['all_gather_bytes_per_device'] / gib:.1f} GiB | {reductions or '—'} |"
+        )
+    return "\n".join(out)
+
+
+def side_by_side(payload: dict[str, Any]) -> str:
+    """The MaxText side-by-side table (Markdown) from the results' rows (``—``: not measured)."""
+    gib = float(1 << 30)
+    rows = {(r["size"], r["topology"], r["option"]): r for r in payload["rows"]}
+    out = [
+        "| model | topology | global batch | MaxText peak per chip | ours: options | peak per chip "
+        "| vs MaxText | step-time floor | MFU ceiling |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, topology, option in MAXTEXT_ROWS:
+        ref = MAXTEXT_GIB[(size, topology)]
+        r = rows.get((size, topology, option), {})
+        batch = r.get("global_batch") or BATCH.get(size, payload.get("global_batch", 16))
+        peak = r.get("peak_bytes_per_chip")
+        need = r.get("required_bytes")
+        floor = r.get("step_time_floor_seconds")
+        mfu = r.get("mfu_ceiling")
+        if peak:
+            ours, ratio = f"{peak / gib:.2f} GiB", f"{peak / gib / ref:.2f}x"
+            ours += "" if r.get("fits") else " (**no fit**)"
+        elif need:
+            ours, ratio = f"≥ {need / gib:.1f} GiB (**no fit**)", f"≥ {need / gib / ref:.2f}x"
+        else:
+            ours, ratio = "—", "—"
+        out.append(
+            f"| {size} | {topology} | {batch} x {payload.get('seq_len', 1024)} | {ref:.2f} GiB "
+            f"| {OPTION_TEXT.get(option, option)} | {ours} | {ratio} "
+            f"| {'—' if not floor else f'{floor * 1e3:.0f} ms'} "
+            f"| {'—' if not mfu else f'{mfu:.0%}'} |"
+        )
+    return "\n".join(out)
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    """comm / min, or against ZeRO's reference for rows measured before the lower bound."""
+    if row.get("comm_ratio") is not None:
+        return f"{row['comm_ratio']:.2f}"
+    if row.get("comm_ratio_vs_zero") is not None:
+        return f"{row['comm_ratio_vs_zero']:.2f} (vs ZeRO)"
+    return "—"

@@ -1,0 +1,154 @@
+"""How fast a compiled step can run at best: its step-time floor and MFU ceiling.
+
+The floor is the larger of
+
+- compute: the step's matmul FLOPs per device at the chip's peak bf16 rate
+  (:data:`dtensor.analysis.hardware.CHIPS`);
+- communication: its collectives' bytes per device (as :func:`dtensor.explain`
+  reads them from the compiled program, loops counted once per iteration)
+  over the chip's ICI egress bandwidth, and those between slices over its
+  DCN share (the two networks overlap, so the larger of the two).
+
+The FLOPs are counted on the step's jaxpr, every ``dot_general`` at
+``2 * output elements * contracted size``: the forward pass, the backward
+pass and the rematerialised recomputation each appear there, and a scanned
+body counts ``length`` times. (libtpu's ``cost_analysis()`` counts a loop's
+body once, and its ``optimal_seconds`` came out negative for a scanned
+Gemma step, so it is not used.) Elementwise work and the time a matmul
+waits for memory are left out: the floor errs low.
+
+The MFU ceiling is the model FLOPs of one step (``6 x parameters x tokens``
+plus attention, supplied by the caller) over ``devices x peak x floor``: the
+model-FLOPs utilisation no run of this program can exceed. Rematerialisation
+raises the compute floor (its recomputed matmuls are counted) and so lowers
+the ceiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dtensor.analysis.hardware import Chip, chip_of
+
+__all__ = ["StepFloor", "floor_for", "matmul_flops", "step_floor"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepFloor:
+    """The terms of a step-time floor, in seconds (``dcn_seconds`` ``None``: no DCN figure)."""
+
+    flops_per_device: float
+    compute_seconds: float
+    ici_seconds: float
+    dcn_seconds: float | None
+    chip: str
+    devices: int = 1
+    peak_flops: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The floor: the larger of compute and communication."""
+        return max(self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0)
+
+    @property
+    def bound(self) -> str:
+        """What sets the floor: ``"compute"``, ``"ICI"`` or ``"DCN"``."""
+        terms = {"compute": self.compute_seconds, "ICI": self.ici_seconds}
+        terms["DCN"] = self.dcn_seconds or 0.0
+        return max(terms, key=lambda k: terms[k])
+
+    def mfu_ceiling(self, model_flops: float) -> float:
+        """``model_flops / (devices x peak x seconds)``: the utilisation no run can exceed."""
+        return model_flops / (self.devices * self.peak_flops * self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with sorted keys (the fields, ``seconds`` and ``bound``)."""
+        d = dataclasses.asdict(self)
+        d.update(seconds=self.seconds, bound=self.bound)
+        return dict(sorted(d.items()))
+
+
+def matmul_flops(jaxpr: Any) -> float:
+    """The FLOPs of every ``dot_general`` in a (closed) jaxpr, nested calls and scans included.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from dtensor.analysis.floor import matmul_flops
+        >>> x = jnp.zeros((8, 16)); w = jnp.zeros((16, 32))
+        >>> matmul_flops(jax.make_jaxpr(lambda x, w: x @ w)(x, w))   # 2 * 8*32 * 16
+        8192.0
+        >>> step = jax.make_jaxpr(jax.grad(lambda w, x: ((x @ w) ** 2).sum()))(w, x)
+        >>> matmul_flops(step)   # forward x @ w, then dW = x.T @ dy
+        16384.0
+        >>> scan = lambda w, x: jax.lax.scan(lambda c, _: (c @ w[:, :16], None), x, None, 5)[0]
+        >>> matmul_flops(jax.make_jaxpr(scan)(w, x))   # 5 iterations of 2 * 8*16 * 16
+        20480.0
+    """
+    return _flops(getattr(jaxpr, "jaxpr", jaxpr))
+
+
+def _flops(jaxpr: Any) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+            continue
+        times = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+        subs = []
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    subs.append(inner)
+        if eqn.primitive.name == "cond":  # one branch runs: count the dearest
+            total += max((_flops(s) for s in subs), default=0.0)
+        else:
+            total += times * sum(_flops(s) for s in subs)
+    return total
+
+
+def step_floor(
+    flops_per_device: float,
+    ici_bytes_per_device: float,
+    dcn_bytes_per_device: float,
+    chip: Chip,
+    *,
+    devices: int = 1,
+) -> StepFloor:
+    """The floor of a step on ``chip`` (see the module docs).
+
+    Examples:
+        >>> from dtensor.analysis.floor import step_floor
+        >>> from dtensor.analysis.hardware import CHIPS
+        >>> f = step_floor(197e12, 100e9, 0.0, CHIPS["TPU v5 lite"])   # 1 s of compute, 0.5 s ICI
+        >>> f.seconds, f.bound
+        (1.0, 'compute')
+    """
+    dcn = None if chip.dcn_bytes_per_s is None else dcn_bytes_per_device / chip.dcn_bytes_per_s
+    return StepFloor(
+        flops_per_device=float(flops_per_device),
+        compute_seconds=flops_per_device / chip.peak_flops,
+        ici_seconds=ici_bytes_per_device / chip.ici_bytes_per_s,
+        dcn_seconds=dcn,
+        chip=chip.generation,
+        devices=int(devices),
+        peak_flops=chip.peak_flops,
+    )
+
+
+def floor_for(jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any) -> StepFloor | None:
+    """The floor of a compiled step on its mesh's chip (``None`` for a chip not in the
+    hardware table, or without a jaxpr): ``collectives`` are its
+    :class:`dtensor.analysis.hlo.Collective` s, ``dcn_bytes`` those that cross slices."""
+    chip = chip_of(mesh.device_list) if mesh is not None else None
+    if chip is None or jaxpr is None or mesh is None:
+        return None
+    total = float(sum(c.total_bytes_per_device for c in collectives))
+    dcn = dcn_bytes or 0.0
+    flops = matmul_flops(jaxpr) / mesh.size
+    return step_floor(flops, total - dcn, dcn, chip, devices=mesh.size)

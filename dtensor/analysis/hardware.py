@@ -1,0 +1,98 @@
+"""Accelerator chips: peak compute, memory and network, from their public specifications.
+
+One table (:data:`CHIPS`), keyed by the ``device_kind`` JAX reports, so that
+other accelerators (GPUs) can join it. The figures feed the memory verdict
+(:mod:`dtensor.analysis.memory`) and the step-time floor
+(:mod:`dtensor.analysis.floor`).
+
+Sources (Google Cloud TPU documentation, "System architecture" of each
+generation, read 2026-12):
+
+- v5e (https://cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16 per chip,
+  16 GB HBM, 400 GB/s bidirectional ICI per chip (4 ports), 8 chips per host
+  with 2 x 100 Gbps NICs (25 Gbit/s DCN per chip).
+- v5p (https://cloud.google.com/tpu/docs/v5p): 459 TFLOP/s, 95 GiB HBM,
+  1200 GB/s bidirectional ICI per chip, 50 Gbit/s DCN per chip.
+- v6e (https://cloud.google.com/tpu/docs/v6e): 918 TFLOP/s, 32 GB HBM,
+  800 GB/s bidirectional ICI per chip, 8 chips per host with 4 x 200 Gbps
+  NICs (100 Gbit/s DCN per chip).
+- v4 (https://cloud.google.com/tpu/docs/v4; Jouppi et al., "TPU v4", ISCA
+  2023): 275 TFLOP/s, 32 GiB HBM, six ICI links of 50 GB/s; no DCN figure per
+  chip is published.
+
+A collective's bytes per device (the ring model of
+:mod:`dtensor.analysis.collective`) leave a chip over all its ICI links at
+once at best, so the floor divides them by the chip's egress bandwidth, half
+the bidirectional figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CHIPS", "GENERATIONS", "USABLE_HBM_GIB", "Chip", "chip_of"]
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chip:
+    """One accelerator chip's public figures.
+
+    ``peak_flops`` is the dense bf16 peak per chip (FLOP/s);
+    ``ici_bytes_per_s`` what one chip can send at once over its ICI links
+    (half the bidirectional figure); ``dcn_bytes_per_s`` its share of the
+    hosts' data-centre network (``None`` where none is published);
+    ``usable_hbm_gib`` what the compiler lets one program use per device.
+    """
+
+    generation: str
+    peak_flops: float
+    hbm_gib: float
+    usable_hbm_gib: float
+    ici_bytes_per_s: float
+    dcn_bytes_per_s: float | None
+
+
+_V4 = Chip("v4", 275e12, 32, 15.25, 300 * GB, None)
+_V5E = Chip("v5e", 197e12, 16, 15.75, 200 * GB, 25e9 / 8)
+_V5P = Chip("v5p", 459e12, 95, 95.74, 600 * GB, 50e9 / 8)
+_V6E = Chip("v6e", 918e12, 32, 31.25, 400 * GB, 100e9 / 8)
+
+#: ``device_kind`` -> :class:`Chip`. The usable HBM is the "available HBM" of the TPU
+#: compiler's out-of-memory error (libtpu 0.0.42; the rest is reserved), per device
+#: (a v4 chip's TensorCore).
+CHIPS: dict[str, Chip] = {
+    "TPU v4": _V4,
+    "TPU v5 lite": _V5E,
+    "TPU v5e": _V5E,
+    "TPU v5": _V5P,
+    "TPU v5p": _V5P,
+    "TPU v6 lite": _V6E,
+    "TPU v6e": _V6E,
+}
+
+#: ``device_kind`` -> TPU generation name.
+GENERATIONS: dict[str, str] = {kind: chip.generation for kind, chip in CHIPS.items()}
+
+#: HBM per device that the TPU compiler lets one program use, GiB, by generation.
+USABLE_HBM_GIB: dict[str, float] = {c.generation: c.usable_hbm_gib for c in CHIPS.values()}
+
+
+def chip_of(devices: Sequence[Any]) -> Chip | None:
+    """The :class:`Chip` of ``devices`` (``None`` for a kind not in :data:`CHIPS`).
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.analysis.hardware import chip_of
+        >>> chip = chip_of(dtensor.tpu_topology("v5e:2x2"))
+        >>> chip.generation, chip.peak_flops / 1e12, chip.hbm_gib
+        ('v5e', 197.0, 16)
+        >>> chip_of(__import__("jax").devices()) is None
+        True
+    """
+    if not devices:
+        return None
+    return CHIPS.get(getattr(devices[0], "device_kind", ""))

@@ -1,0 +1,96 @@
+"""``python -m dtensor.aot --fit`` / ``dtensor.tpu.fit``: the option search on the TPU compiler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dtensor.tpu
+from dtensor.tpu import aot
+from dtensor.tpu.search import FitError, Rung, _merge, ladder
+
+DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
+ARGV = ["--strategy", "fully_sharded", "--model-size", "small", "--batch-size", "16"]
+ARGV += ["--seq-len", "512"]
+
+
+def test_ladder_order_and_flag_merging():
+    names = [r.name for r in ladder(ARGV)]
+    assert names == [
+        "as given",
+        "bf16",
+        "bf16 + remat",
+        "bf16 + remat (dots_saveable)",
+        "bf16 + remat + scan",
+        "bf16 + remat (dots_saveable) + scan",
+        "bf16 + remat + scan + offload optimizer",
+        "hybrid tensor=2 + bf16 + remat + scan",
+        "hybrid tensor=4 + bf16 + remat + scan",
+    ]
+    assert [r.name for r in ladder(["--strategy", "hybrid"])][-1] == (
+        "bf16 + remat + scan + offload optimizer"
+    )
+    merged = _merge(["--strategy", "fully_sharded", "--remat"], ladder(ARGV)[-1].flags)
+    assert merged[:2] == ["--strategy", "hybrid"] and merged.count("--remat") == 1
+    assert merged[merged.index("--tensor") + 1] == "4"
+
+
+def test_fit_refuses_a_missing_script(tmp_path):
+    with pytest.raises(FitError, match=r"fit: script '.*nope.py' does not exist"):
+        dtensor.tpu.fit(tmp_path / "nope.py", ARGV, topology="v5e:2x2")
+
+
+@pytest.mark.slow
+def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys):
+    # The demo's character model (a quick compile) on a v5e:2x2, searched over a short ladder
+    # whose rungs shrink the batch: the logic of the search, not the options themselves.
+    argv = ["--strategy", "fully_sharded", "--model-size", "demo", "--seq-len", "64"]
+    argv += ["--batch-size", "4096"]
+    rungs = [
+        Rung("as given", ()),
+        Rung("batch 256", ("--batch-size", "256")),
+        Rung("batch 256, bf16", ("--batch-size", "256", "--mixed-precision", "bf16"), True),
+        Rung("batch 64", ("--batch-size", "64")),
+    ]
+    cache = tmp_path / "cache"
+    first = dtensor.tpu.fit(DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs)
+    # It fits a v5e's 15.75 GiB as given: one compile, and no rung that is not faster.
+    assert [t["name"] for t in first.tried] == ["as given"]
+    given = first.best
+    assert given["fits"] and given["peak_bytes_per_chip"] > 0
+    # The character-level demo model gives no model FLOPs (its script's hook returns None).
+    assert given["step_time_floor_seconds"] > 0 and given["mfu_ceiling"] is None
+
+    # Within half of that, the search walks on to the first rung that fits, then tries the
+    # faster one after it, and stops at the next that is not faster.
+    budget = 0.5 * given["peak_bytes_per_chip"]
+    found = dtensor.tpu.fit(
+        DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs, max_bytes_per_chip=budget
+    )
+    assert [t["name"] for t in found.tried] == ["as given", "batch 256", "batch 256, bf16"]
+    assert found.tried[0]["cached"] and not found.tried[0]["fits"]
+    assert not found.tried[1]["cached"] and found.tried[1]["fits"]
+    best = found.best
+    assert best["peak_bytes_per_chip"] <= budget
+    fitting = [t for t in found.tried if t["fits"]]
+    assert best["step_time_floor_seconds"] == min(t["step_time_floor_seconds"] for t in fitting)
+    assert found.command() == (
+        "python -m dtensor.aot --topology v5e:2x2 -- " + DEMO + " " + " ".join(best["argv"])
+    )
+    # A second search is read back from the cache, with the same answer.
+    again = dtensor.tpu.fit(
+        DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs, max_bytes_per_chip=budget
+    )
+    assert all(t["cached"] for t in again.tried) and again.best["argv"] == best["argv"]
+
+    # The command line (the default ladder; its first rung is cached) writes the JSON.
+    out = tmp_path / "fit.json"
+    cli = ["--topology", "v5e:2x2", "--fit", "--cache-dir", str(cache), "--json", str(out)]
+    assert aot.main([*cli, "--", DEMO, *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "as given: fits" in printed and "(cached)" in printed
+    saved = json.loads(out.read_text())
+    assert saved["best"]["name"] == "as given" and saved["best"]["peak_bytes_per_device"] > 0
+    assert saved["command"] in printed

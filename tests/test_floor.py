@@ -1,0 +1,143 @@
+"""The step-time floor, the MFU ceiling, the chip table and the per-matmul minimum."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dtensor
+from dtensor.analysis import memory
+from dtensor.analysis.floor import matmul_flops, step_floor
+from dtensor.analysis.hardware import CHIPS, USABLE_HBM_GIB, chip_of
+from dtensor.analysis.minimum import REFERENCE_NAMES, matmul_reference
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_one_chip_table_feeds_the_memory_verdict():
+    assert memory.USABLE_HBM_GIB is USABLE_HBM_GIB
+    assert memory.CHIP_HBM_GIB == {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+    chip = chip_of(dtensor.tpu_topology("v5p:2x2x2"))
+    assert chip is CHIPS["TPU v5"] and chip.peak_flops == 459e12
+    assert chip.ici_bytes_per_s == 600e9 and chip.dcn_bytes_per_s == 50e9 / 8
+    assert chip_of(jax.devices()) is None and chip_of([]) is None
+
+
+def test_matmul_flops_count_every_scan_iteration_as_unrolled():
+    w = jnp.zeros((6, 32, 32))
+    x = jnp.zeros((4, 32))
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0].sum()
+
+    def unrolled(w, x):
+        for i in range(6):
+            x = jnp.tanh(x @ w[i])
+        return x.sum()
+
+    for f in (scanned, unrolled):
+        # forward 6 x (2*4*32*32); backward dX and dW, each as many
+        assert matmul_flops(jax.make_jaxpr(jax.grad(f, (0, 1)))(w, x)) == 3 * 6 * 2 * 4 * 32 * 32
+    remat = jax.checkpoint(lambda wi, h: jnp.tanh(h @ wi))
+
+    def rematted(w, x):
+        return jax.lax.scan(lambda h, wi: (remat(wi, h), None), x, w)[0].sum()
+
+    # the recomputed forward matmul of each layer is counted too
+    assert matmul_flops(jax.make_jaxpr(jax.grad(rematted, (0, 1)))(w, x)) == 4 * 6 * 2 * 4 * 32 * 32
+
+
+def test_tpu_report_has_a_floor_and_an_mfu_ceiling():
+    devices = dtensor.tpu_topology("v5e:2x2")
+    mesh = dtensor.create_mesh([("x", 4)], devices=devices)
+    w = jax.ShapeDtypeStruct(
+        (2048, 2048), jnp.bfloat16, sharding=dtensor.Layout(["x", None], mesh).sharding
+    )
+    b = jax.ShapeDtypeStruct(
+        (512, 2048), jnp.bfloat16, sharding=dtensor.Layout(["x", None], mesh).sharding
+    )
+
+    def step(w, b):
+        g = jax.grad(lambda w: ((b @ w).astype(jnp.float32) ** 2).mean())(w)
+        return w - 0.1 * g.astype(w.dtype)
+
+    report = dtensor.explain(step, w, b)
+    floor = report.step_floor
+    flops = 3 * 2 * 512 * 2048 * 2048  # forward, dX (unused: dropped by XLA, counted), dW
+    assert floor.chip == "v5e" and floor.devices == 4
+    assert floor.flops_per_device == pytest.approx(flops / 4, rel=0.34)
+    assert floor.compute_seconds == pytest.approx(floor.flops_per_device / 197e12)
+    assert floor.ici_seconds == pytest.approx(report.comm_bytes_per_device / 200e9)
+    assert report.step_time_floor_seconds == max(floor.compute_seconds, floor.ici_seconds)
+    assert report.mfu_ceiling is None
+    model = 6 * 2048 * 2048 * 512
+    ceiling = report.with_model_flops(model).mfu_ceiling
+    assert ceiling == pytest.approx(model / (4 * 197e12 * report.step_time_floor_seconds))
+    assert 0 < ceiling <= 1
+    d = report.with_model_flops(model).to_dict()
+    assert d["mfu_ceiling"] == ceiling and d["step_floor"]["bound"] in ("compute", "ICI")
+    assert "step-time floor" in str(report)
+    cpu = dtensor.explain(step, *_on_cpu(w, b))
+    assert cpu.step_floor is None and cpu.step_time_floor_seconds is None
+
+
+def _on_cpu(*structs):
+    mesh = dtensor.create_mesh([("x", 4)], devices=jax.devices()[:4])
+    lay = dtensor.Layout(["x", None], mesh).sharding
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=lay) for s in structs]
+
+
+def test_step_floor_takes_the_larger_and_knows_no_dcn_for_v4():
+    f = step_floor(0.0, 3e9, 0.0, CHIPS["TPU v4"], devices=8)
+    assert f.seconds == 0.01 and f.bound == "ICI" and f.dcn_seconds is None
+    g = step_floor(0.0, 0.0, 25e6, CHIPS["TPU v5 lite"])
+    assert g.bound == "DCN" and g.seconds == pytest.approx(0.008)
+
+
+def test_the_minimum_takes_moving_activations_where_cheaper():
+    # A 4 MiB weight split 8 ways read by a small batch: moving the batch-split activations
+    # (an all-to-all of each device's share) is far cheaper than gathering the weight.
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+    j = jax.make_jaxpr(jax.grad(lambda w, x: ((x @ w) ** 2).sum()))(w, x)
+    # forward x @ w only (dW reads no weight): 7/8 * |x| / 8
+    assert matmul_reference(j, {0: 8}, 8) == pytest.approx(7 / 8 * 64 * 1024 * 4 / 8)
+    # a huge batch: gathering the weight is the cheaper, (k-1)/k * |w|
+    big = jax.ShapeDtypeStruct((1 << 16, 1024), jnp.float32)
+    j2 = jax.make_jaxpr(lambda w, x: x @ w)(w, big)
+    assert matmul_reference(j2, {0: 8}, 8) == pytest.approx(7 / 8 * 1024 * 1024 * 4)
+    assert matmul_reference(j2, {}, 8) == 0.0
+
+    s = dtensor.create_mesh([("x", 8)])
+    ws = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=dtensor.Layout(["x", None], s).sharding)
+    xs = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dtensor.Layout(["x", None], s).sharding)
+    report = dtensor.explain(jax.grad(lambda w, x: ((x @ w) ** 2).sum()), ws, xs)
+    refs = report.min_comm_references
+    assert list(refs) == list(REFERENCE_NAMES)
+    assert refs[REFERENCE_NAMES[0]] == 3 * 7 / 8 * 1024 * 1024 * 4
+    assert report.min_comm_bytes_per_device == min(refs.values()) < refs[REFERENCE_NAMES[0]]
+    assert report.comm_ratio >= 1
+
+
+def _ratios(payload):
+    rows = payload.get("rows") or payload.get("results") or []
+    for row in rows:
+        comm = row.get("comm_bytes_per_device", row.get("comm_bytes_per_chip"))
+        low = row.get("min_comm_bytes_per_device", row.get("min_comm_bytes_per_chip"))
+        if comm is None or low is None or (comm == 0 and low == 0):
+            continue
+        yield row, (math.inf if low == 0 else comm / low)
+
+
+@pytest.mark.parametrize("name", ["comm_memory", "fsdp_scale", "tpu_presets"])
+def test_every_benchmark_row_communicates_at_least_its_minimum(name):
+    payload = json.loads((RESULTS / f"{name}.json").read_text())
+    ratios = list(_ratios(payload))
+    assert ratios
+    low = [(r.get("size") or r.get("preset") or r.get("strategy"), x) for r, x in ratios if x < 1]
+    assert not low, f"{name}: rows below their minimum: {low}"
