@@ -23,189 +23,35 @@ without a cloud account against ``gcp-storage-emulator``; see the README).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import signal
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
-SIZES = {
-    #         dim, layers, heads, mlp, seq   (the character-level demo model)
-    "demo": (64, 2, 4, 256, 64),
-    "small": (128, 4, 4, 512, 128),
-    "medium": (256, 6, 8, 1024, 256),
-}
-VOCAB = 128  # ASCII; anything else becomes '?'
-# The Gemma-style decoder of examples/decoder.py (its CONFIGS), for ahead-of-time compiles.
-DECODER_SIZES = (
-    "tiny",
-    "tiny-gemma3",
-    "tiny-llama",
-    "2b",
-    "7b",
-    "gemma3-12b",
-    "llama2-7b",
-    "llama2-70b",
-)
+
+def sibling(name: str):
+    """``examples/<name>.py``, imported once (this script may itself be loaded from a path)."""
+    import importlib.util
+
+    key = f"_dtensor_example_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            key, Path(__file__).resolve().parent / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+_options = sibling("options")
+SIZES = _options.SIZES  # the character-level demo model's sizes
+VOCAB = sibling("corpus").VOCAB  # ASCII; anything else becomes '?'
+DECODER_SIZES = _options.DECODER_SIZES  # examples/decoder.py's, for ahead-of-time compiles
 #: How the last aot_step applied --mixed-precision / --remat / ... (read by benchmarks).
 LAST_OPTIONS: dict[str, str] = {}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--strategy", default="mirrored", help="a preset name (see --list-strategies)")
-    p.add_argument("--list-strategies", action="store_true", help="list the presets and exit")
-    p.add_argument("--steps", type=int, default=1000, help="total training steps (default 1000)")
-    p.add_argument(
-        "--model-size",
-        choices=[*SIZES, *DECODER_SIZES],
-        default="demo",
-        help="demo/small/medium: the character-level model; tiny, 2b, 7b (Gemma), gemma3-12b, "
-        "llama2-7b, llama2-70b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
-        "for python -m dtensor.aot (its aot_step; the large ones are only ever built abstractly)",
-    )
-    p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
-    p.add_argument(
-        "--seq-len", type=int, default=None, help="sequence length (default: the size's)"
-    )
-    p.add_argument(
-        "--mixed-precision",
-        choices=["none", "bf16"],
-        default="none",
-        help="bf16: float32 variables, bfloat16 reads (strategies.MixedPrecision where the preset "
-        "takes it, else the decoder casts its weight reads)",
-    )
-    p.add_argument(
-        "--remat",
-        action="store_true",
-        help="recompute each block in the backward pass (the preset's remat= where it takes it, "
-        "else the decoder's own nnx.remat)",
-    )
-    p.add_argument(
-        "--no-reshard-after-forward",
-        action="store_true",
-        help="FSDP: keep gathered weights for the backward pass",
-    )
-    p.add_argument(
-        "--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)"
-    )
-    p.add_argument(
-        "--gather-at-reads",
-        action="store_true",
-        help="FSDP: gather_at_read=True (the default on CPU only)",
-    )
-    p.add_argument(
-        "--model-remat",
-        action="store_true",
-        help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)",
-    )
-    p.add_argument(
-        "--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory"
-    )
-    p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
-    p.add_argument(
-        "--remat-policy",
-        default=None,
-        help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
-    )
-    p.add_argument(
-        "--tensor",
-        type=int,
-        default=None,
-        help="hybrid: the tensor-parallel size (the rest of the devices go to fsdp; the decoder's "
-        "Megatron rules); default: the registry's data x fsdp x tensor",
-    )
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
-    p.add_argument("--out", default="runs", help="where checkpoints, the plot and results go: a directory or a gs:// URL")
-    p.add_argument("--save-every", type=int, default=250, help="also checkpoint every N steps (0: only on preemption)")
-    p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run")
-    p.add_argument("--sample-chars", type=int, default=240)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--quiet",
-        action="store_true",
-        help="print only the final summary line (no tables, no progress bar)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object with the run's results on stdout, nothing else",
-    )
-    return p.parse_args(argv)
-
-
-# ----------------------------------------------------------------------- data
-def build_corpus(max_chars: int = 1_500_000) -> str:
-    """Docstrings, then source, of the standard library's modules (sorted, so the same everywhere)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(f for f in stdlib.glob("*.py") if not f.name.startswith("_"))
-    docs: list[str] = []
-    sources: list[str] = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    docs.append(doc.strip() + "\n\n")
-        sources.append(text)
-    corpus = "".join(docs)
-    for text in sources:
-        if len(corpus) >= max_chars:
-            break
-        corpus += text
-    return corpus[:max_chars]
-
-
-def encode(text: str):
-    import numpy as np
-
-    codes = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
-    return np.minimum(codes, VOCAB - 1).astype(np.int32)
-
-
-def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("ascii", errors="replace")
-
-
-def windows_dataset(data, seq: int, seed: int, ctx, global_batch: int):
-    """This process's share of the batches: a Grain pipeline of shuffled windows of the corpus.
-
-    Index-based (a shuffled ``MapDataset`` of window starts, repeated), so its
-    position is saved with each checkpoint and a run resumes on the very next
-    batch, even on another number of processes.
-    """
-    import grain
-    import numpy as np
-
-    def window(start) -> dict:
-        w = data[int(start) : int(start) + seq + 1]
-        return {"x": w[:-1], "y": w[1:]}
-
-    rows = ctx.get_per_pipeline_batch_size(global_batch)
-    starts = grain.MapDataset.range(len(data) - seq - 1).shuffle(seed=seed).repeat()
-    share = starts[ctx.input_pipeline_id :: ctx.num_input_pipelines].map(window)
-    return share.batch(rows, batch_fn=lambda xs: {k: np.stack([x[k] for x in xs]) for k in xs[0]})
-
-
-def batch_for_step(data, step: int, batch: int, seq: int, seed: int):
-    """The batch of a step: random windows chosen by the step number (resumes reproduce it)."""
-    import numpy as np
-
-    rng = np.random.default_rng((seed, step))
-    starts = rng.integers(0, len(data) - seq - 1, size=batch)
-    windows = np.stack([data[s : s + seq + 1] for s in starts])
-    return {"x": windows[:, :-1], "y": windows[:, 1:]}
 
 
 # ---------------------------------------------------------------------- model
@@ -266,18 +112,8 @@ def train_step(model, optimizer, batch):
 
 
 def decoder_module():
-    """``examples/decoder.py``, imported once (this script may itself be loaded from a path)."""
-    import importlib.util
-
-    name = "_dtensor_example_decoder"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parent / "decoder.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """``examples/decoder.py``."""
+    return sibling("decoder")
 
 
 def decoder_train_step(model, optimizer, batch):
@@ -288,89 +124,14 @@ def decoder_train_step(model, optimizer, batch):
     return loss
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's command line: see ``examples/options.py``."""
+    return _options.parse_args(argv, description=__doc__)
+
+
 def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None):
-    """The preset named by ``--strategy`` over ``devices``, with the options it takes
-    (``rules``: the model's tensor-parallel rules, for ``hybrid`` with ``--tensor`` > 1).
-
-    Returns ``(strategy, model_changes, applied)``: options the preset does not take
-    fall back to the decoder's own (``dtype``/``remat``) where it has them, else are
-    "not available"; ``applied`` says which for each.
-    """
-    import jax.numpy as jnp
-
-    import strategies
-    from strategies.step.memory_advice import accepts
-
-    strategy = strategies.from_name(args.strategy, devices=devices)
-    cls = type(strategy)
-    wanted: dict[str, object] = {}
-    applied: dict[str, str] = {}
-    model_changes: dict[str, object] = {}
-    decoder = block_cls is not None
-    if args.mixed_precision == "bf16":
-        if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
-            wanted["mixed_precision"] = strategies.MixedPrecision(
-                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
-            )
-            applied["mixed_precision"] = "strategy"
-        elif decoder:
-            model_changes["dtype"] = jnp.bfloat16
-            applied["mixed_precision"] = "model (bf16 weight reads; preset option not available)"
-        else:
-            applied["mixed_precision"] = "not available"
-    if args.remat:
-        # The preset's remat=(Block,) and the decoder's own nnx.remat compile to the same
-        # program (same peak on v5e:2x2); --model-remat asks for the decoder's.
-        if accepts(cls, "remat") and decoder and not args.model_remat:
-            wanted["remat"] = (block_cls,)
-            applied["remat"] = "strategy"
-        elif decoder:
-            model_changes["remat"] = True
-            applied["remat"] = "model (nnx.remat per block)"
-        else:
-            applied["remat"] = "not available"
-    for flag, option, value in (
-        ("no_reshard_after_forward", "reshard_after_forward", False),
-        ("xla_plan", "gather_at_read", False),
-        ("gather_at_reads", "gather_at_read", True),
-        ("offload_optimizer", "offload_optimizer", True),
-    ):
-        if getattr(args, flag):
-            ok = accepts(cls, option)
-            applied[option] = "strategy" if ok else "not available"
-            if ok:
-                wanted[option] = value
-    if args.remat and args.remat_policy:
-        ok = "remat" in wanted
-        applied["remat_policy"] = "strategy" if ok else "not available"
-        if ok:
-            wanted["remat_policy"] = args.remat_policy
-    hybrid = cls.__name__ == "HybridStrategy"
-    if hybrid and (args.tensor or decoder):
-        tensor = args.tensor or 1
-        if len(devices) % tensor:
-            raise ValueError(
-                f"--tensor {tensor} does not divide the {len(devices)} devices; pass a divisor of it."
-            )
-        extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
-        if "offload_optimizer" in wanted:
-            applied["offload_optimizer"] = "not available"
-            wanted.pop("offload_optimizer")
-        strategy = cls(
-            1,
-            len(devices) // tensor,
-            tensor,
-            devices=list(devices),
-            min_shard_bytes=0,
-            **extra,
-            **wanted,
-        )
-    elif wanted:
-        if cls.__name__ != "FullyShardedStrategy":
-            applied.update({k: "not available" for k in wanted})
-        else:
-            strategy = cls(list(devices), min_shard_bytes=0, **wanted)
-    return strategy, model_changes, applied
+    """The preset named by ``--strategy``: see ``examples/options.py``."""
+    return _options.build_strategy(args, devices, block_cls, rules=rules)
 
 
 def aot_step(argv: list[str], *, devices):
@@ -438,85 +199,6 @@ def model_flops(argv: list[str]) -> float | None:
     )
 
 
-# ---------------------------------------------------------------------- views
-def explain_summary(report):
-    from rich.table import Table
-
-    from dtensor.core.text import human_bytes
-
-    table = Table(title="the compiled train step (explain)")
-    table.add_column("collective")
-    table.add_column("mesh axes")
-    table.add_column("count", justify="right")
-    table.add_column("bytes / device", justify="right")
-    rows: dict[tuple[str, tuple[str, ...]], list[float]] = {}
-    for c in report.collectives:
-        key = (c.kind, tuple(c.mesh_axes))
-        acc = rows.setdefault(key, [0, 0.0])
-        acc[0] += c.count
-        acc[1] += c.total_bytes_per_device
-    for (kind, axes), (count, nbytes) in sorted(rows.items()):
-        table.add_row(kind, ",".join(axes) or "-", str(int(count)), human_bytes(nbytes))
-    if not rows:
-        table.add_row("none", "-", "0", "0 B")
-    ratio = report.comm_ratio
-    table.caption = (
-        f"communication {human_bytes(report.comm_bytes_per_device)} / device "
-        f"(theoretical minimum {human_bytes(report.min_comm_bytes_per_device)}, ratio {ratio:.2f}); "
-        f"state {human_bytes(report.state_bytes_per_device)} / device "
-        f"(ideal {human_bytes(report.ideal_state_bytes_per_device)}); "
-        f"arguments {human_bytes(report.argument_bytes_per_device or 0)}, "
-        f"temporaries {human_bytes(report.temp_bytes_per_device or 0)} / device"
-    )
-    return table
-
-
-def plot_losses(losses: list[tuple[int, float]], path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps, values = zip(*losses, strict=True)
-    ax.plot(steps, values)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / char)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    path.write_bytes(buf.getvalue())  # a local path or an object in a bucket
-
-
-def generate(model, prompt: str, chars: int, seq: int, seed: int) -> str:
-    """Sample from a host copy of the model (one device), a window of ``seq`` chars at a time."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    host = nnx.merge(graphdef, jax.device_get(state))
-
-    @nnx.jit
-    def next_logits(m, window):
-        return m(window[None])[0, -1]
-
-    tokens = list(encode(prompt))
-    key = jax.random.key(seed)
-    for _ in range(chars):
-        window = ([ord(" ")] * seq + tokens)[-seq:]
-        logits = next_logits(host, jnp.asarray(window, jnp.int32))
-        key, sub = jax.random.split(key)
-        tokens.append(int(jax.random.categorical(sub, logits / 0.8)))
-    return decode(np.asarray(tokens))
-
-
 # ----------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -572,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    corpus = build_corpus()
-    data = encode(corpus)
+    text_data, views = sibling("corpus"), sibling("views")
+    corpus = text_data.build_corpus()
+    data = text_data.encode(corpus)
     console.print(
         Panel.fit(
             f"[bold]{args.strategy}[/] on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -604,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
 
-    example = batch_for_step(data, 0, args.batch_size, seq, args.seed)
+    example = text_data.batch_for_step(data, 0, args.batch_size, seq, args.seed)
     report = strategy.explain(train_step, args=(model, optimizer, example))
-    console.print(explain_summary(report))
+    console.print(views.explain_summary(report))
     for w in report.warnings[:5]:
         console.print(Text("warning: ", style="yellow") + Text(str(w)))
 
@@ -621,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     batches = iter(
         strategy.distribute_datasets_from_function(
-            lambda ctx: windows_dataset(data, seq, args.seed, ctx, args.batch_size)
+            lambda ctx: text_data.windows_dataset(data, seq, args.seed, ctx, args.batch_size)
         )
     )
 
@@ -666,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         task = progress.add_task("train", total=args.steps, completed=start, loss="-", tps="-")
         for step in range(start, args.steps):
             batch = next(batches)
-            loss = handler.run(strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True)
+            loss = handler.run(
+                strategy.run, train_step, args=(model, optimizer, batch), cache_graph=True
+            )
             pending.append((step + 1, loss))
             if len(pending) >= 10 or step + 1 == args.steps:
                 for s, v in pending:
@@ -686,9 +371,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if losses and jax.process_index() == 0:
         png = run_dir / "loss.png"
-        plot_losses(losses, png, f"{args.strategy}: char-level LM on 8 devices")
+        views.plot_losses(losses, png, f"{args.strategy}: char-level LM on 8 devices")
         console.print(f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; curve in {png}")
-    sample = generate(model, "def ", args.sample_chars, seq, args.seed)
+    sample = views.generate(
+        model,
+        "def ",
+        args.sample_chars,
+        seq,
+        args.seed,
+        encode=text_data.encode,
+        decode=text_data.decode,
+    )
     console.print(Panel(sample, title="a sample from the model"))
     if jax.process_index() == 0:
         summary = {

@@ -44,6 +44,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor.analysis.findings import (
+    check_outputs,
+    fmt_path,
+    full_size_reductions,
+    layout_of,
+    mismatch,
+    sharding_of,
+    silent,
+)
 from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
 from dtensor.analysis.minimum import minimum_for
@@ -59,21 +68,6 @@ __all__ = ["explain", "min_comm_bytes"]
 
 
 # --------------------------------------------------------------------- helpers
-def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
-    """The sharding a leaf asks for (none for an uncommitted array: jit places it)."""
-    if isinstance(leaf, jax.Array) and not getattr(leaf, "committed", True):
-        return None
-    s = getattr(leaf, "sharding", None)
-    return s if isinstance(s, jax.sharding.Sharding) else None
-
-
-def _layout(sharding: jax.sharding.Sharding, rank: int) -> Layout | None:
-    try:
-        return Layout.from_sharding(sharding, rank)
-    except (TypeError, ValueError):
-        return None
-
-
 def _program_mesh(compiled: Any) -> Mesh | None:
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     for s in shardings:
@@ -150,18 +144,6 @@ def _same_leaves(arg: Any, variables: Any) -> bool:
         and len(mine) == len(theirs)
         and all(a is b for a, b in zip(mine, theirs, strict=True))
     )
-
-
-def _fmt_path(prefix: str, path: Any) -> str:
-    p = path_str(path)
-    return f"{prefix}/{p}" if p else prefix
-
-
-def _mismatch(asked: Any, got: Any, rank: int) -> bool:
-    try:
-        return not asked.is_equivalent_to(got, rank)
-    except (TypeError, ValueError, AttributeError):
-        return False
 
 
 # --------------------------------------------------------------------- explain
@@ -281,8 +263,8 @@ def explain(
         replicated_warn_bytes,
     )
     findings += var_findings
-    findings += _full_size_reductions(infos, collectives, data)
-    findings += _check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
+    findings += full_size_reductions(infos, collectives, data)
+    findings += check_outputs(compiled.output_shardings, variables, all_leaves, compiled_of)
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
     jaxpr = traced.jaxpr if traced is not None else None
@@ -411,12 +393,12 @@ def _check_args(
         if len(got) != len(leaves):
             continue
         for (path, leaf), s in zip(leaves, got, strict=True):
-            asked = _sharding_of(leaf)
+            asked = sharding_of(leaf)
             rank = len(getattr(leaf, "shape", ()))
-            if asked is not None and _mismatch(asked, s, rank):
-                p = _fmt_path(f"args[{i}]", path)
-                findings.append(_silent(p, asked, s, rank, "the compiled program takes it as"))
-            lay = _layout(s, rank) if i != var_arg and rank else None
+            if asked is not None and mismatch(asked, s, rank):
+                p = fmt_path(f"args[{i}]", path)
+                findings.append(silent(p, asked, s, rank, "the compiled program takes it as"))
+            lay = layout_of(s, rank) if i != var_arg and rank else None
             if lay is not None:
                 batch_axes += [a for a in lay.axes(0) if a not in batch_axes]
     return findings, batch_axes
@@ -456,7 +438,7 @@ def _variables(
     for k, (i, p, leaf) in enumerate(leaves):
         shape = tuple(int(d) for d in leaf.shape)
         dtype = np.dtype(leaf.dtype)
-        sharding = _sharding_of(leaf) or compiled_of.get(i)
+        sharding = sharding_of(leaf) or compiled_of.get(i)
         if sharding is None:
             raise TypeError(
                 f"variable {p!r} (shape {shape}) has no sharding and is not one of explain's "
@@ -465,7 +447,7 @@ def _variables(
             )
         nbytes = math.prod(shape) * dtype.itemsize
         local = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
-        lay = _layout(sharding, len(shape))
+        lay = layout_of(sharding, len(shape))
         text = layout_text(lay, sharding)
         trainable = bool(grad_paths(p)) if grad_paths else _default_trainable(p, dtype)
         rule = rule_of[k] if rule_of is not None else None
@@ -494,76 +476,6 @@ def _variables(
             )
             findings.append(Finding("replicated", p, msg))
     return rows, findings
-
-
-def _full_size_reductions(
-    infos: list[tuple[VariableInfo, float]],
-    collectives: Sequence[Collective],
-    data: tuple[str, ...],
-    warn_bytes: int = 1 << 20,
-) -> list[Finding]:
-    """Trainable variables over ``warn_bytes``, split over the data axes, whose gradient is
-    all-reduced whole.
-
-    Each device then holds the whole gradient before it keeps its shard:
-    twice the bytes of a reduce-scatter and a full-size buffer at the peak.
-    Recognised by an all-reduce over data axes of exactly the variable's shape.
-    """
-    whole = {
-        c.shape
-        for c in collectives
-        if c.kind == "all-reduce" and set(c.mesh_axes) & set(data) and len(c.shape) > 0
-    }
-    out = []
-    for v, _ in infos:
-        big = v.global_bytes > warn_bytes
-        if big and v.trainable and _split_over_data(v, data) and tuple(v.shape) in whole:
-            out.append(
-                Finding(
-                    "full-size-reduction",
-                    v.path,
-                    f"{v.path} {list(v.shape)} is split over the data axes ({v.layout}) but its "
-                    f"gradient is all-reduced whole ({human_bytes(v.global_bytes)} on every "
-                    "device) rather than reduce-scattered to its shard: the compiler formed no "
-                    "reduce-scatter (XLA's CPU compiler never does). Gather the parameter where "
-                    "it is read and reduce-scatter its gradient yourself (FullyShardedStrategy "
-                    "does for NNX steps), or compile for TPU/GPU, whose compilers form "
-                    "reduce-scatters.",
-                )
-            )
-    return out
-
-
-def _check_outputs(
-    out: Any, variables: Any, all_leaves: list[tuple[Any, Any]], compiled_of: dict[int, Any]
-) -> list[Finding]:
-    """Outputs shaped like the variables whose layout is not the one the variables have."""
-    struct = jax.tree.structure(variables)
-    candidates = [("output", out)] if jax.tree.structure(out) == struct else []
-    if not candidates and isinstance(out, tuple | list):
-        candidates = [
-            (f"output[{i}]", o) for i, o in enumerate(out) if jax.tree.structure(o) == struct
-        ]
-    findings = []
-    for prefix, sub in candidates:
-        for i, ((path, leaf), s) in enumerate(zip(all_leaves, jax.tree.leaves(sub), strict=True)):
-            asked = _sharding_of(leaf) or compiled_of.get(i)
-            rank = len(getattr(leaf, "shape", ()))
-            if asked is not None and is_array(leaf) and _mismatch(asked, s, rank):
-                findings.append(
-                    _silent(_fmt_path(prefix, path), asked, s, rank, "the step returns it as")
-                )
-    return findings
-
-
-def _silent(path: str, asked: Any, got: Any, rank: int, verb: str) -> Finding:
-    a, g = layout_text(_layout(asked, rank), asked), layout_text(_layout(got, rank), got)
-    return Finding(
-        "silent-replication",
-        path,
-        f"{path} was asked to be {a} but {verb} {g}: the layout was silently changed. Pin it "
-        "(in_shardings/out_shardings, or dtensor.relayout inside the step) or fix its layout rule.",
-    )
 
 
 def _mem(mem: Any, field: str) -> int | None:

@@ -54,7 +54,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from dtensor.checkpoint import datastate, integrity, processes, storage
@@ -70,17 +69,6 @@ __all__ = ["Checkpointer", "CheckpointError"]
 
 _STATE, _MANIFEST = "state", "manifest"
 _TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-def _multiprocessing(ocp: Any) -> dict[str, Any]:
-    """Orbax's options for a save by this process alone (see :mod:`dtensor.checkpoint.processes`)."""
-    if not processes.solo():
-        return {}
-    me = jax.process_index()
-    options = ocp.options.MultiprocessingOptions(
-        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"dtensor-solo-{me}"
-    )
-    return {"multiprocessing_options": options}
 
 
 def _ocp() -> Any:
@@ -157,7 +145,7 @@ class Checkpointer:
             save_decision_policy=cm.FixedIntervalPolicy(save_interval_steps),
             preservation_policy=cm.LatestN(n=max_to_keep),
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files),
-            **_multiprocessing(ocp),
+            **processes.orbax_options(ocp),
         )
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
@@ -166,7 +154,7 @@ class Checkpointer:
         self.restored_step: int | None = None
         self._pending: int | None = None
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        solo = _multiprocessing(ocp)  # handlers of a save by this process alone need it too
+        solo = processes.orbax_options(ocp)  # handlers of a save by this process alone need it too
         for item, save_args, restore_args, handler in (
             (
                 _STATE,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
-__all__ = ["process_count", "process_index", "solo", "this_process_only"]
+__all__ = ["orbax_options", "process_count", "process_index", "solo", "this_process_only"]
 
 _solo = {"on": False}
 _lock = threading.Lock()
@@ -49,3 +50,14 @@ def process_index() -> int:
 
 def process_count() -> int:
     return 1 if _solo["on"] else jax.process_count()
+
+
+def orbax_options(ocp: Any) -> dict[str, Any]:
+    """Orbax's keyword options for a save by this process alone (``{}`` otherwise)."""
+    if not solo():
+        return {}
+    me = jax.process_index()
+    options = ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"dtensor-solo-{me}"
+    )
+    return {"multiprocessing_options": options}

@@ -1,0 +1,214 @@
+"""The demo's command-line options turned into a preset (``examples/train.py --strategy``).
+
+Used by ``examples/train.py`` for training and for ``python -m dtensor.aot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SIZES = {
+    #         dim, layers, heads, mlp, seq   (the character-level demo model)
+    "demo": (64, 2, 4, 256, 64),
+    "small": (128, 4, 4, 512, 128),
+    "medium": (256, 6, 8, 1024, 256),
+}
+# The Gemma-style decoder of examples/decoder.py (its CONFIGS), for ahead-of-time compiles.
+DECODER_SIZES = (
+    "tiny",
+    "tiny-gemma3",
+    "tiny-llama",
+    "2b",
+    "7b",
+    "gemma3-12b",
+    "llama2-7b",
+    "llama2-70b",
+)
+
+
+def parse_args(argv: list[str] | None = None, *, description: str = "") -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=description.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--strategy", default="mirrored", help="a preset name (see --list-strategies)")
+    p.add_argument("--list-strategies", action="store_true", help="list the presets and exit")
+    p.add_argument("--steps", type=int, default=1000, help="total training steps (default 1000)")
+    p.add_argument(
+        "--model-size",
+        choices=[*SIZES, *DECODER_SIZES],
+        default="demo",
+        help="demo/small/medium: the character-level model; tiny, 2b, 7b (Gemma), gemma3-12b, "
+        "llama2-7b, llama2-70b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
+        "for python -m dtensor.aot (its aot_step; the large ones are only ever built abstractly)",
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="sequence length (default: the size's)"
+    )
+    p.add_argument(
+        "--mixed-precision",
+        choices=["none", "bf16"],
+        default="none",
+        help="bf16: float32 variables, bfloat16 reads (strategies.MixedPrecision where the preset "
+        "takes it, else the decoder casts its weight reads)",
+    )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each block in the backward pass (the preset's remat= where it takes it, "
+        "else the decoder's own nnx.remat)",
+    )
+    p.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP: keep gathered weights for the backward pass",
+    )
+    p.add_argument(
+        "--xla-plan", action="store_true", help="FSDP: gather_at_read=False (XLA's own plan)"
+    )
+    p.add_argument(
+        "--gather-at-reads",
+        action="store_true",
+        help="FSDP: gather_at_read=True (the default on CPU only)",
+    )
+    p.add_argument(
+        "--model-remat",
+        action="store_true",
+        help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)",
+    )
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="FSDP: optimizer state in host memory"
+    )
+    p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
+    p.add_argument(
+        "--remat-policy",
+        default=None,
+        help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
+    )
+    p.add_argument(
+        "--tensor",
+        type=int,
+        default=None,
+        help="hybrid: the tensor-parallel size (the rest of the devices go to fsdp; the decoder's "
+        "Megatron rules); default: the registry's data x fsdp x tensor",
+    )
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="simulated CPU devices when no accelerator is present",
+    )
+    p.add_argument(
+        "--out",
+        default="runs",
+        help="where checkpoints, the plot and results go: a directory or a gs:// URL",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=250,
+        help="also checkpoint every N steps (0: only on preemption)",
+    )
+    p.add_argument(
+        "--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run"
+    )
+    p.add_argument("--sample-chars", type=int, default=240)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the final summary line (no tables, no progress bar)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with the run's results on stdout, nothing else",
+    )
+    return p.parse_args(argv)
+
+
+def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None):
+    """The preset named by ``--strategy`` over ``devices``, with the options it takes
+    (``rules``: the model's tensor-parallel rules, for ``hybrid`` with ``--tensor`` > 1).
+
+    Returns ``(strategy, model_changes, applied)``: options the preset does not take
+    fall back to the decoder's own (``dtype``/``remat``) where it has them, else are
+    "not available"; ``applied`` says which for each.
+    """
+    import jax.numpy as jnp
+
+    import strategies
+    from strategies.step.memory_advice import accepts
+
+    strategy = strategies.from_name(args.strategy, devices=devices)
+    cls = type(strategy)
+    wanted: dict[str, object] = {}
+    applied: dict[str, str] = {}
+    model_changes: dict[str, object] = {}
+    decoder = block_cls is not None
+    if args.mixed_precision == "bf16":
+        if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
+            wanted["mixed_precision"] = strategies.MixedPrecision(
+                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
+            )
+            applied["mixed_precision"] = "strategy"
+        elif decoder:
+            model_changes["dtype"] = jnp.bfloat16
+            applied["mixed_precision"] = "model (bf16 weight reads; preset option not available)"
+        else:
+            applied["mixed_precision"] = "not available"
+    if args.remat:
+        # The preset's remat=(Block,) and the decoder's own nnx.remat compile to the same
+        # program (same peak on v5e:2x2); --model-remat asks for the decoder's.
+        if accepts(cls, "remat") and decoder and not args.model_remat:
+            wanted["remat"] = (block_cls,)
+            applied["remat"] = "strategy"
+        elif decoder:
+            model_changes["remat"] = True
+            applied["remat"] = "model (nnx.remat per block)"
+        else:
+            applied["remat"] = "not available"
+    for flag, option, value in (
+        ("no_reshard_after_forward", "reshard_after_forward", False),
+        ("xla_plan", "gather_at_read", False),
+        ("gather_at_reads", "gather_at_read", True),
+        ("offload_optimizer", "offload_optimizer", True),
+    ):
+        if getattr(args, flag):
+            ok = accepts(cls, option)
+            applied[option] = "strategy" if ok else "not available"
+            if ok:
+                wanted[option] = value
+    if args.remat and args.remat_policy:
+        ok = "remat" in wanted
+        applied["remat_policy"] = "strategy" if ok else "not available"
+        if ok:
+            wanted["remat_policy"] = args.remat_policy
+    hybrid = cls.__name__ == "HybridStrategy"
+    if hybrid and (args.tensor or decoder):
+        tensor = args.tensor or 1
+        if len(devices) % tensor:
+            raise ValueError(
+                f"--tensor {tensor} does not divide the {len(devices)} devices; pass a divisor of it."
+            )
+        extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
+        if "offload_optimizer" in wanted:
+            applied["offload_optimizer"] = "not available"
+            wanted.pop("offload_optimizer")
+        strategy = cls(
+            1,
+            len(devices) // tensor,
+            tensor,
+            devices=list(devices),
+            min_shard_bytes=0,
+            **extra,
+            **wanted,
+        )
+    elif wanted:
+        if cls.__name__ != "FullyShardedStrategy":
+            applied.update({k: "not available" for k in wanted})
+        else:
+            strategy = cls(list(devices), min_shard_bytes=0, **wanted)
+    return strategy, model_changes, applied
