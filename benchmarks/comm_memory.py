@@ -32,12 +32,16 @@ def measure(preset: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     model, opt = common.build(strategy, factory)
     rep = strategy.explain(common.train_step(kind), args=(model, opt, batch))
     ideal = rep.ideal_state_bytes_per_device
+    zero = (rep.min_comm_references or {}).get("weights gathered (ZeRO)")
     return {
         "preset": preset,
         "model": kind,
         "comm_bytes_per_device": rep.comm_bytes_per_device,
         "min_comm_bytes_per_device": rep.min_comm_bytes_per_device,
         "comm_ratio": None if rep.comm_ratio == float("inf") else rep.comm_ratio,
+        # Against the ZeRO reference alone (weights gathered), where variables are split over
+        # the data axes: how close a sharded plan comes to gathering each weight once.
+        "zero_ratio": None if not zero else rep.comm_bytes_per_device / zero,
         "by_kind": rep.by_kind(),
         "argument_bytes_per_device": rep.argument_bytes_per_device,
         "temp_bytes_per_device": rep.temp_bytes_per_device,

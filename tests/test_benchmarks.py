@@ -35,7 +35,11 @@ def test_benchmarks_write_json_and_a_plot(tmp_path):
     assert set(by) == {
         (p, m) for p in ("mirrored", "fully_sharded") for m in ("mlp", "transformer")
     }
-    assert by["fully_sharded", "transformer"]["comm_ratio"] <= 1.05
+    # The minimum is a lower bound (per matmul, the cheaper of gathering the weight or moving
+    # its activations); against the ZeRO reference alone, FSDP's gathers at reads move about
+    # what gathering every weight costs.
+    assert by["fully_sharded", "transformer"]["comm_ratio"] >= 1
+    assert by["fully_sharded", "transformer"]["zero_ratio"] <= 1.05
     assert by["mirrored", "mlp"]["comm_ratio"] <= 1.02
     assert "reduce-scatter" in by["fully_sharded", "mlp"]["by_kind"]
 
