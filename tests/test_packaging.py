@@ -28,7 +28,23 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 pytestmark = pytest.mark.slow
-SKIP = (".git", ".venv", "build", "dist", "_build", "runs", "__pycache__", "*.egg-info", ".*cache")
+
+
+def _source_files() -> list[Path]:
+    """What a checkout holds for the build: git's tracked and unignored files.
+
+    Never the virtual environments (``.venv``, ``.venv-latest``: gigabytes each with the
+    CUDA plugin), build outputs or caches, whatever they are named: git's ignore rules
+    decide, as they do for a fresh clone.
+    """
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    files = [ROOT / name for name in listed.split("\0") if name]
+    return [f for f in files if f.is_file()]
 
 STEP = """
 import jax
@@ -64,7 +80,13 @@ def _env() -> dict[str, str]:
 def dist(tmp_path_factory) -> Path:
     # Build from a copy, so the build's egg-info and build/ never land in the checkout.
     src = tmp_path_factory.mktemp("src") / "jax-dtensor"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*SKIP))
+    files = _source_files()
+    size = sum(f.stat().st_size for f in files)
+    assert size < 200 * 2**20, f"the source tree to build is {size / 2**20:.0f} MiB"
+    for f in files:
+        target = src / f.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, target)
     out = tmp_path_factory.mktemp("dist")
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
