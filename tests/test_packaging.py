@@ -46,6 +46,7 @@ def _source_files() -> list[Path]:
     files = [ROOT / name for name in listed.split("\0") if name]
     return [f for f in files if f.is_file()]
 
+
 STEP = """
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
