@@ -1,42 +1,42 @@
 """`Strategy`: what every preset is — a mesh, two layout policies, and the user-facing methods.
 
-A preset sets the mesh and overrides :meth:`Strategy.variable_layout` (and
+A preset sets the mesh and overrides the hooks of
+:class:`strategies.hooks.PresetHooks`: :meth:`Strategy.variable_layout` (and
 :meth:`Strategy.batch_layout` when the batch is not simply split on dimension
-0 over ``batch_axes``). Presets that keep variables somewhere other than
+0 over ``batch_axes``); presets that keep variables somewhere other than
 where they compute override :meth:`Strategy.storage_layout` and
 :meth:`Strategy.compute_layout`; those that shape the compiled step itself
-override :meth:`Strategy.trace_step`. The methods below are short: ``run``
-and ``explain`` delegate to the step compiler (:mod:`strategies.step`).
+override :meth:`Strategy.trace_step`. tf.distribute's cross-replica methods
+(``reduce``, ``gather``, datasets, ...) come from
+:class:`strategies.surface.DistributeMethods`. The methods here are short:
+``run`` and ``explain`` delegate to the step compiler (:mod:`strategies.step`),
+``create`` to :mod:`strategies.placement.creation`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
-import numpy as np
 from flax import nnx
 
 import dtensor
-from dtensor import Layout, Mesh, ReduceOp
-from dtensor.core.rules import ResolvedLayout, flax_annotation
-from dtensor.core.tree import is_node, leaf_value
-from strategies import context, datasets, tf_compat
+from dtensor import Mesh
+from dtensor.core.rules import ResolvedLayout
+from dtensor.core.tree import is_node
+from strategies import context
 from strategies.boundary import explicit_axes_error
+from strategies.hooks import PresetHooks
 from strategies.placement import creation
 from strategies.reads.mixed_precision import MixedPrecision, check_mixed_precision
-from strategies.reads.param_reads import ReadOptions, trace_reads
-from strategies.replica import cross_replica
-from strategies.replica.values import InputContext, ValueContext
 from strategies.step.compiler import StepCompiler
+from strategies.surface import DistributeMethods
 
 __all__ = ["Strategy"]
 
 
-class Strategy:
+class Strategy(PresetHooks, DistributeMethods):
     """The base of every preset: a mesh, a variable policy and a batch policy.
 
     Args:
@@ -83,133 +83,6 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """How many data-parallel replicas a global batch is split over."""
         return self.mesh.axis_size(self.batch_axes)
-
-    # ------------------------------------------------- tf.distribute surface
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """This process's replicas' values as a tuple; a plain value gives ``(value,)``.
-
-        See :func:`strategies.tf_compat.local_results`.
-
-        Examples:
-            >>> import strategies, numpy as np
-            >>> s = strategies.MirroredStrategy()
-            >>> out = s.run(lambda x: x.sum(), args=(np.ones((16, 2), "f4"),), per_replica=True)
-            >>> [float(v) for v in s.experimental_local_results(out)]
-            [4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
-        """
-        return tf_compat.local_results(value)
-
-    @functools.cached_property
-    def extended(self) -> tf_compat.StrategyExtended:
-        """tf.distribute's ``strategy.extended``: devices, checkpoint/summary roles,
-        ``variable_created_in_scope`` (see :class:`strategies.tf_compat.StrategyExtended`)."""
-        return tf_compat.StrategyExtended(self)
-
-    @property
-    def cluster_resolver(self) -> tf_compat.ClusterResolver | None:
-        """This process's place in a multi-process job, or ``None`` for one process
-        (see :class:`strategies.tf_compat.ClusterResolver`)."""
-        return tf_compat.cluster_resolver()
-
-    # --------------------------------------------------------------- policies
-    def variable_layout(self, path: str, leaf: Any) -> Layout:
-        """The layout of one variable (parameter or optimizer state); replicated here."""
-        return Layout.replicated(self.mesh, np.ndim(leaf_value(leaf)))
-
-    def batch_layout(self, rank: int) -> Layout:
-        """The layout of a rank-``rank`` batch array: dimension 0 split over the replicas."""
-        if rank == 0 or not self.batch_axes:
-            return Layout.replicated(self.mesh, rank)
-        axes = self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
-        return Layout.batch_sharded(self.mesh, axes, rank)
-
-    def storage_layout(self, path: str, leaf: Any) -> Layout:
-        """Where a variable is kept between steps (the compute layout, unless a preset says otherwise)."""
-        return self.variable_layout(path, leaf)
-
-    def memory_kind(self, path: str, leaf: Any) -> str | None:
-        """The memory a variable is kept in between steps (``None``: device memory)."""
-        return None
-
-    def compute_layout(self, storage: Layout) -> Layout:
-        """Where a variable stored in ``storage`` is computed on (the same, unless a preset says otherwise)."""
-        return storage
-
-    def rule_name(self, path: str, leaf: Any) -> str | None:
-        """A short description of the rule behind a variable's layout (for reports)."""
-        return self.name
-
-    def storage_layout_fn(self, path: str, leaf: Any) -> ResolvedLayout:
-        """The storage layout of one variable and the rule that chose it (annotations first)."""
-        ann = flax_annotation(leaf) if self.honor_annotations else None
-        if ann is not None:
-            layout = Layout(list(ann), self.mesh)
-            layout.check_shape(np.shape(leaf_value(leaf)), path)
-            return ResolvedLayout(layout, "flax annotation")
-        return ResolvedLayout(self.storage_layout(path, leaf), self.rule_name(path, leaf))
-
-    def layout_findings(self, path: str, leaf: Any) -> list[tuple[str, str]]:
-        """``(kind, message)`` warnings about one variable's layout for :meth:`explain` (none here).
-
-        A hook for presets whose rules can fall back silently (a Megatron rule
-        on a dimension the tensor-parallel size does not divide).
-        """
-        return []
-
-    def adopt(self, x: jax.Array, mesh: Mesh) -> jax.Array | None:
-        """A ``run`` argument laid out on another mesh that this preset knows how to move (``None``: it does not)."""
-        return None
-
-    def trace_step(
-        self,
-        call: Callable[..., Any],
-        state: Any,
-        arrays: list[Any],
-        layouts: Any,
-        shardings: list[Any],
-    ) -> Any:
-        """Trace one global-mode step: ``call(state, arrays) -> (new_state, out)``.
-
-        ``layouts`` are the variables' (``None`` without NNX nodes), ``shardings``
-        the array arguments' input shardings. ``call`` also takes ``prepare=``,
-        a function given the NNX objects merged inside the trace (to swap
-        their classes, :mod:`strategies.reads.swaps`). The default shapes parameter
-        reads and module calls by :meth:`read_options`
-        (:func:`strategies.reads.param_reads.trace_reads`).
-        """
-        return trace_reads(call, state, arrays, layouts, shardings, self.mesh, self.read_options())
-
-    def read_options(self) -> ReadOptions:
-        """How this preset shapes parameter reads and module calls inside a step."""
-        return ReadOptions(axes=self.batch_axes, mixed_precision=self.mixed_precision)
-
-    def after_step(self, result: Any) -> None:
-        """Called with each ``run``'s result once it is dispatched (a hook for watchdogs)."""
-
-    def activation_bytes_min(self, state: Any, rules: Any, batch: list[Any]) -> float:
-        """Bytes per device of activations the layouts must move in one step (0: none)."""
-        return 0.0
-
-    def ideal_peak_bytes(self, terms: Any) -> int:
-        """The ideal peak bytes per device of a step (``Report.ideal_peak_bytes_per_device``).
-
-        ``terms`` is a :class:`dtensor.analysis.peak.PeakTerms`. The default is
-        the ZeRO formula of :func:`dtensor.analysis.peak.ideal_peak_bytes`:
-        state and gradients in this preset's layouts, the two largest
-        gathered variables at the dtype this preset gathers them in
-        (``mixed_precision.param_dtype`` when set), activations as remat
-        leaves them, and the batch.
-        """
-        from dtensor.analysis.peak import ideal_peak_bytes
-        from strategies.step.memory_advice import gather_itemsize_ratio
-
-        return ideal_peak_bytes(terms, gather_itemsize_ratio=gather_itemsize_ratio(self))
-
-    def memory_advice(self) -> str:
-        """What would help a step that does not fit, given this preset and its options."""
-        from strategies.step.memory_advice import memory_advice
-
-        return memory_advice(self)
 
     # ------------------------------------------------------------------ scope
     @contextlib.contextmanager
@@ -382,77 +255,6 @@ class Strategy:
         ``distribute_variables(jax.eval_shape(...))``.
         """
         return self._steps.explain(fn, args, kwargs, donate_argnums=donate_argnums)
-
-    # ---------------------------------------------------------- reduce/gather
-    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Reduce a value across replicas (and along ``axis`` of each replica's value).
-
-        A :class:`PerReplica` value (from ``run(..., per_replica=True)``) is
-        combined over its replicas; a global array is already one value, so
-        ``axis`` reduces along that dimension of the global array (the batch
-        dimension spans all replicas).
-
-        Examples:
-            >>> import strategies, numpy as np
-            >>> s = strategies.MirroredStrategy()
-            >>> x = s.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group))
-            >>> float(s.reduce("sum", x)), float(s.reduce("max", x))
-            (28.0, 7.0)
-        """
-        return cross_replica.reduce(op, value, axis)
-
-    def gather(self, value: Any, axis: int = 0) -> Any:
-        """All replicas' values concatenated along ``axis``, whole on every device.
-
-        Examples:
-            >>> import strategies, numpy as np
-            >>> s = strategies.MirroredStrategy()
-            >>> x = s.experimental_distribute_values_from_function(lambda ctx: np.full((2,), ctx.replica_id_in_sync_group))
-            >>> s.gather(x, axis=0).tolist()
-            [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
-        """
-
-        return cross_replica.gather(self.mesh, value, axis)
-
-    # ---------------------------------------------------------------- values
-    def experimental_distribute_values_from_function(
-        self, value_fn: Callable[[ValueContext], Any]
-    ) -> Any:
-        """Call ``value_fn`` once per replica and hold the results as :class:`PerReplica` values."""
-        return cross_replica.values_from_function(self, value_fn)
-
-    # --------------------------------------------------------------- datasets
-    def experimental_distribute_dataset(
-        self, dataset: Iterable[Any], *, pad: bool = False, prefetch: int = 2
-    ) -> dtensor.DTensorDataset:
-        """Each element (a pytree of host arrays: the *global* batch) as global arrays in the batch layout.
-
-        With ``pad=True`` a batch whose rows do not divide over the replicas is
-        padded and each element becomes ``(batch, weights)``: per-row weights
-        (1 real, 0 padding) that keep means exact.
-
-        Examples:
-            >>> import strategies, numpy as np
-            >>> s = strategies.MirroredStrategy()
-            >>> batches = [{"x": np.ones((16, 3))}] * 2
-            >>> [b["x"].shape for b in s.experimental_distribute_dataset(batches)]
-            [(16, 3), (16, 3)]
-        """
-        return datasets.distribute_dataset(self, dataset, pad=pad, prefetch=prefetch)
-
-    def distribute_datasets_from_function(
-        self,
-        dataset_fn: Callable[[InputContext], Iterable[Any]],
-        *,
-        pad: bool = False,
-        prefetch: int = 2,
-    ) -> dtensor.DTensorDataset:
-        """``dataset_fn(InputContext)`` gives this process's share; shares are stitched into global arrays."""
-        return datasets.datasets_from_function(self, dataset_fn, pad=pad, prefetch=prefetch)
-
-    def input_context(self) -> InputContext:
-        """This process's :class:`InputContext`."""
-        return datasets.input_context(self)
 
     # ---------------------------------------------------------------- reports
     def describe(self, tree: Any = None) -> str:

@@ -291,4 +291,4 @@ def test_tiny_decoder_compiles_ahead_of_time_like_on_cpu(capsys):
         and "all-gather" in r.by_kind()
         and "all-gather" in cpu.by_kind()
     )
-    assert "ideal peak (ZeRO formula)" in aot.summary(tpu)
+    assert "peak, ideally (ZeRO formula)" in aot.summary(tpu)

@@ -16,7 +16,7 @@ from dtensor.analysis.hlo import Collective
 from dtensor.core.layout import Layout
 from dtensor.core.text import human_bytes, render
 
-__all__ = ["Finding", "Report", "VariableInfo", "layout_text"]
+__all__ = ["Finding", "Report", "VariableInfo", "layout_text", "memory_rows", "network_rows"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,32 +212,60 @@ def layout_text(layout: Layout | None, sharding: Any = None) -> str:
     return text + (f" partial{list(layout.partial_axes)}" if layout.partial_axes else "")
 
 
+def memory_rows(report: Report) -> list[tuple[str, float | None]]:
+    """The memory figures per device, and per chip against its HBM when the report has a fit.
+
+    One list for every renderer (``str(report)`` and ``python -m dtensor.aot``);
+    ``None`` marks a heading row without a figure.
+    """
+    fit = report.memory_fit
+    rows: list[tuple[str, float | None]] = [
+        ("arguments (incl. batch)", report.argument_bytes_per_device),
+        ("outputs", report.output_bytes_per_device),
+        ("aliased (donated)", report.alias_bytes_per_device),
+        ("temporaries", report.temp_bytes_per_device),
+    ]
+    if fit is not None:
+        rows.append(("code", fit.code_bytes))
+        if fit.devices_per_chip > 1:
+            rows.append((f"per device x {fit.devices_per_chip} TensorCores", None))
+        rows.append((f"peak per {fit.unit}", fit.bytes_per_chip))
+        rows.append((f"HBM of a {fit.chip} {fit.unit}", fit.hbm_bytes_per_chip))
+        share = fit.limit_bytes_per_chip / fit.hbm_bytes_per_chip
+        by = f"JAX's allocator, {share:.0%}" if fit.unit == "GPU" else "libtpu"
+        rows.append((f"usable by one program ({by})", fit.limit_bytes_per_chip))
+    rows += [
+        ("state (variables)", report.state_bytes_per_device),
+        ("state, ideally sharded", report.ideal_state_bytes_per_device),
+        ("peak (args + temps + outputs - aliased)", report.peak_bytes_per_device),
+        ("peak, ideally (ZeRO formula)", report.ideal_peak_bytes_per_device),
+    ]
+    return rows
+
+
+def network_rows(report: Report) -> list[tuple[str, float]]:
+    """Communication per device split by network: ICI/DCN on TPUs, NVLink/InfiniBand on GPUs."""
+    nets = [
+        ("ICI (within slices)", report.ici_bytes_per_device),
+        ("DCN (between slices)", report.dcn_bytes_per_device),
+        ("NVLink (within hosts)", report.nvlink_bytes_per_device),
+        ("InfiniBand/RoCE (between hosts)", report.ib_bytes_per_device),
+    ]
+    return [(name, value) for name, value in nets if value is not None]
+
+
 def _render(report: Report) -> str:
     parts: list[Any] = []
     ratio = report.comm_ratio
     summary = Table(title=f"dtensor.explain on {report.mesh or 'one device'}", show_header=False)
     summary.add_column("figure")
     summary.add_column("per device", justify="right")
-    mem = [
-        ("arguments (incl. batch)", report.argument_bytes_per_device),
-        ("outputs", report.output_bytes_per_device),
-        ("temporaries", report.temp_bytes_per_device),
-        ("aliased", report.alias_bytes_per_device),
-        ("peak (args + temps + outputs - aliased)", report.peak_bytes_per_device),
-        ("peak, ideally (ZeRO formula)", report.ideal_peak_bytes_per_device),
-    ]
-    nets = [("  over ICI (within slices)", report.ici_bytes_per_device)]
-    nets.append(("  over DCN (between slices)", report.dcn_bytes_per_device))
-    nets.append(("  over NVLink (within hosts)", report.nvlink_bytes_per_device))
-    nets.append(("  over InfiniBand/RoCE (between hosts)", report.ib_bytes_per_device))
     rows = [
         ("communication", human_bytes(report.comm_bytes_per_device)),
-        *((k, human_bytes(v)) for k, v in nets if v is not None),
+        *((f"  over {k}", human_bytes(v)) for k, v in network_rows(report)),
         ("minimum for these layouts", human_bytes(report.min_comm_bytes_per_device)),
         ("communication / minimum", "-" if math.isinf(ratio) else f"{ratio:.3f}"),
-        ("state (variables)", human_bytes(report.state_bytes_per_device)),
-        ("state, ideally sharded", human_bytes(report.ideal_state_bytes_per_device)),
-        *((k, "-" if v is None else human_bytes(v)) for k, v in mem),
+        *((k, "" if v is None else human_bytes(v)) for k, v in memory_rows(report)),
         ("data axes", ", ".join(report.data_axes) or "-"),
     ]
     for name, value in (report.min_comm_references or {}).items():

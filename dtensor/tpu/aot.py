@@ -192,6 +192,8 @@ def summary(result: AotResult, *, title: str = "") -> str:
     from rich.console import Console
     from rich.table import Table
 
+    from dtensor.analysis.report import memory_rows, network_rows
+
     r = result.report
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     d0 = result.devices[0]
@@ -214,26 +216,7 @@ def summary(result: AotResult, *, title: str = "") -> str:
     mem = Table(title=f"memory per {unit}", show_header=False)
     mem.add_column("figure")
     mem.add_column("bytes", justify="right")
-    rows = [
-        ("arguments (incl. batch)", r.argument_bytes_per_device),
-        ("outputs", r.output_bytes_per_device),
-        ("aliased (donated)", r.alias_bytes_per_device),
-        ("temporaries", r.temp_bytes_per_device),
-    ]
-    if fit is not None:
-        rows.append(("code", fit.code_bytes))
-        if fit.devices_per_chip > 1:
-            rows.append((f"per device x {fit.devices_per_chip} TensorCores", None))
-        rows.append((f"peak per {unit}", fit.bytes_per_chip))
-        rows.append((f"HBM of a {fit.chip} {unit}", fit.hbm_bytes_per_chip))
-        share = fit.limit_bytes_per_chip / fit.hbm_bytes_per_chip
-        by = f"JAX's allocator, {share:.0%}" if gpu else "libtpu"
-        rows.append((f"usable by one program ({by})", fit.limit_bytes_per_chip))
-    rows.append(("variables (state)", r.state_bytes_per_device))
-    rows.append(("variables, ideally sharded", r.ideal_state_bytes_per_device))
-    rows.append(("peak (args + temps + outputs - aliased)", r.peak_bytes_per_device))
-    rows.append(("ideal peak (ZeRO formula)", r.ideal_peak_bytes_per_device))
-    for k, v in rows:
+    for k, v in memory_rows(r):
         mem.add_row(k, _human(v) if v is not None else "")
     console.print(mem)
 
@@ -251,11 +234,7 @@ def summary(result: AotResult, *, title: str = "") -> str:
         comm.add_row(label, kind, ",".join(axes) or "-", str(int(ops)), _human(nbytes))
     if not groups:
         comm.add_row("-", "none", "-", "0", "0 B")
-    split = (
-        f"NVLink {_human(r.nvlink_bytes_per_device)}, InfiniBand/RoCE {_human(r.ib_bytes_per_device)}"
-        if gpu
-        else f"ICI {_human(r.ici_bytes_per_device)}, DCN {_human(r.dcn_bytes_per_device)}"
-    )
+    split = ", ".join(f"{name.split(' (')[0]} {_human(v)}" for name, v in network_rows(r))
     comm.caption = (
         f"total {_human(r.comm_bytes_per_device)}: {split}; minimum for these layouts "
         f"{_human(r.min_comm_bytes_per_device)}"
