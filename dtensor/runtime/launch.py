@@ -89,7 +89,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         >>> 0 < free_port() < 65536
         True
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -227,6 +228,7 @@ def launch(
     out: IO[str] | None = None,
     num_ps: int | None = None,
     restart_workers: int = 0,
+    host: str = "127.0.0.1",
 ) -> LaunchResult:
     """Run ``cmd`` as ``num_processes`` local processes of one JAX job.
 
@@ -236,7 +238,7 @@ def launch(
         num_processes: how many processes to start.
         devices_per_process: CPU devices each process simulates (sets
             ``DTENSOR_DEVICES_PER_PROCESS``, read by :func:`dtensor.initialize`).
-        port: the coordinator's port on 127.0.0.1 (default: a free one).
+        port: the coordinator's port on ``host`` (default: a free one).
         timeout_s: stop everything after this many seconds (exit status 124).
         env: extra environment variables for the processes (on top of this
             process's environment).
@@ -257,6 +259,12 @@ def launch(
             status is the chief's, or a ``ps`` task's failure.
         restart_workers: with ``num_ps``, how many times in all a failed
             worker is started again (it rejoins the job).
+        host: the address of this machine the processes find the coordinator
+            at. Loopback keeps the job on this machine; an address other
+            hosts reach (this machine's interface) makes the job's traffic
+            take the network path a multi-host job takes: the coordinator
+            service and every transfer server bind and advertise it (see
+            :func:`dtensor.runtime.rpc.transfer_host`).
 
     Returns:
         A :class:`LaunchResult`.
@@ -274,12 +282,12 @@ def launch(
     """
     _check(cmd, num_processes, devices_per_process)
     sink: IO[str] = sys.stdout if out is None else out
-    port = free_port() if port is None else port
+    port = free_port(host) if port is None else port
     base = dict(os.environ)
     base.update(env or {})
     base.setdefault("JAX_PLATFORMS", "cpu")
     base["PYTHONUNBUFFERED"] = "1"
-    base[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+    base[ENV_COORDINATOR] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     base[ENV_NUM_PROCESSES] = str(num_processes)
     if devices_per_process is not None:
         base[ENV_DEVICES_PER_PROCESS] = str(devices_per_process)
@@ -412,6 +420,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dtensor.launch",
         description="Start N local processes of one JAX job (coordinator on 127.0.0.1).",
     )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="this machine's address the processes find the coordinator at (default: loopback)",
+    )
     p.add_argument("-n", "--num-processes", type=int, default=None, help="processes to start")
     p.add_argument("--ps", type=int, default=None, help="parameter-server job: ps tasks")
     p.add_argument("--workers", type=int, default=None, help="parameter-server job: worker tasks")
@@ -468,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             restart_workers=args.restart_workers,
             devices_per_process=args.devices_per_process,
             port=args.port,
+            host=args.host,
             timeout_s=args.timeout,
             grace_s=args.grace,
             report_s=args.report,

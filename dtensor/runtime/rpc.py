@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtensor import compat
+
 __all__ = ["Channel", "PeerGone", "TaskInfo", "Transfers", "Watch"]
 
 _PREFIX = "dtensor/rpc/"
@@ -170,15 +172,59 @@ def serve_lane(
 
 
 # ------------------------------------------------------------------ arrays
-def _host_of(coordinator: str | None) -> str:
-    if coordinator is None:
-        return "127.0.0.1"
-    host = coordinator.rpartition(":")[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
+#: Overrides the address a task's transfer server binds and advertises (an interface
+#: of this host that every other task can reach).
+ENV_TRANSFER_HOST = "DTENSOR_TRANSFER_HOST"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def transfer_host(coordinator: str | None, environ: Any = None) -> str:
+    """The address of this host that the job's other tasks reach it at.
+
+    ``DTENSOR_TRANSFER_HOST`` when set; loopback for a job whose coordinator is
+    on loopback (one machine); otherwise the local address of the interface
+    that routes to the coordinator (what the coordinator's peers on other
+    hosts see), found without sending anything. ``gethostname()`` is not
+    used: on many machines (Debian's ``/etc/hosts``, containers) it resolves
+    to a loopback address no other host can reach.
+
+    Examples:
+        >>> transfer_host("127.0.0.1:1234")
+        '127.0.0.1'
+        >>> transfer_host("10.0.0.7:1234", environ={"DTENSOR_TRANSFER_HOST": "10.0.0.9"})
+        '10.0.0.9'
+    """
+    import os
     import socket
 
-    return socket.gethostbyname(socket.gethostname())
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_TRANSFER_HOST):
+        return str(environ[ENV_TRANSFER_HOST])
+    if coordinator is None:
+        return "127.0.0.1"
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]")
+    if host in _LOOPBACK:
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(port or 9)))  # UDP: picks the route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _bind(host: str) -> str:
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
+def announce(role: Any, address: str) -> None:
+    """One line on stderr saying where this task's transfer server listens (as TF's
+    servers say where they started)."""
+    import sys
+
+    print(f"dtensor: {role.task_type} {role.task_index}: transfers at {address}", file=sys.stderr)
 
 
 def spec_of(x: Any) -> list[Any]:
@@ -198,8 +244,8 @@ class Transfers:
         from jax.experimental import transfer
 
         self.device = jax.local_devices()[0]
-        host = _host_of(coordinator)
-        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
+        host = transfer_host(coordinator or compat.coordinator_address())
+        self.server = transfer.start_transfer_server(self.device.client, _bind(host), [_bind(host)])
         self._conns: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.bytes_offered = 0

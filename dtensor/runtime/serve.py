@@ -125,7 +125,8 @@ def serve() -> None:
         )
     client = compat.distributed_client()
     assert client is not None  # join_cluster() joined the job
-    transfers = rpc.Transfers(compat.coordinator_address())
+    transfers = rpc.Transfers()
+    rpc.announce(role, transfers.address())
     service = factory(role, client, transfers)
     info = rpc.TaskInfo(role.process_id, rpc.new_incarnation(), transfers.address())
     stop = threading.Event()

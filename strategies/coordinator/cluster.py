@@ -82,7 +82,9 @@ class ClusterBackend:
     ) -> None:
         self.strategy, self.role, self.client = strategy, role, client
         self.max_staleness, self.worker_timeout_s = max_staleness, worker_timeout_s
+        # bound where the ps tasks reach it (they pull the chief's initial values)
         self.transfers = rpc.Transfers()
+        rpc.announce(role, self.transfers.address())
         self._on_worker_back = on_worker_back
         self._lock = threading.Lock()
         self._splits: dict[str, list[bool]] = {}  # builder -> which leaves the partitioner splits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -15,13 +16,31 @@ from tests.multiprocess.util import REPO, WORKERS, _Discard, report
 pytestmark = pytest.mark.timeout(150)
 
 
-def run_ps(*args: str, restart_workers: int = 0, timeout_s: float = 120, num_ps: int = 1):
+def interface_address() -> str | None:
+    """This machine's address on its default route (not loopback), or None without one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # UDP: picks the route, sends nothing
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def run_ps(
+    *args: str,
+    restart_workers: int = 0,
+    timeout_s: float = 120,
+    num_ps: int = 1,
+    host: str = "127.0.0.1",
+):
     return launch(
         [sys.executable, str(WORKERS / "ps_train.py"), *args],
         3 + num_ps,
         num_ps=num_ps,
         restart_workers=restart_workers,
         timeout_s=timeout_s,
+        host=host,
         grace_s=1.0,
         env={"PYTHONPATH": str(REPO)},
         out=_Discard(),  # type: ignore[arg-type]
@@ -78,12 +97,23 @@ def test_tutorial_across_processes_reaches_the_single_process_loss(tmp_path) -> 
 
 
 @pytest.mark.slow
-def test_two_ps_tasks_split_the_variables_by_the_partitioner() -> None:
+def test_two_ps_tasks_split_the_variables_by_the_partitioner_over_the_network_path() -> None:
     # FixedShardsPartitioner(2): the kernel (4, 1) and its Adam moments are split by rows over
-    # the two ps tasks, the bias and the step count are kept whole on both
+    # the two ps tasks, the bias and the step count are kept whole on both. The job finds its
+    # coordinator at this machine's interface address, not loopback, as a job across hosts
+    # does: every task's transfer server must bind and advertise that address (a loopback
+    # one would be unreachable from another host).
+    host = interface_address()
+    if host is None:
+        pytest.skip("this machine has no network interface besides loopback")
     args = ("--steps", "40", "--max-staleness", "2", "--partition", "--adam")
-    result = run_ps(*args, num_ps=2)
+    result = run_ps(*args, num_ps=2, host=host)
     assert result.returncode == 0 and result.returncodes == (0,) * 5, report(result)
+    tasks = ["chief 0", "ps 0", "ps 1", "worker 0", "worker 1"]
+    for task, output in zip(tasks, result.outputs, strict=True):
+        prefix = f"dtensor: {task}: transfers at "
+        addresses = [ln[len(prefix) :] for ln in output.splitlines() if ln.startswith(prefix)]
+        assert [a.rpartition(":")[0] for a in addresses] == [host], (task, report(result))
     got = chief_result(result)
     assert got["completed"] == 40 and got["step"] == 40, report(result)
     assert max(got["staleness"]) <= 2
