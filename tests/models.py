@@ -108,3 +108,28 @@ def rel_err(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def deep_mlp_step(layers: int, width: int = 16384):
+    """An abstract deep MLP (``layers`` square float32 kernels) with Adam, its step and batch:
+    ``(step, (model, optimizer, batch))`` for ahead-of-time compiles too large for a device."""
+
+    class Deep(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)]
+            )
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    def build():
+        model = Deep(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
+    step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    return step, (model, optimizer, batch)

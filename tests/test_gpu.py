@@ -19,7 +19,7 @@ from dtensor.gpu import topology as gpu_topology_module
 from dtensor.gpu.specs import GPUS, gpu_spec, memory_fraction
 from dtensor.gpu.topology import GPU_MODELS, GpuTopologyError, parse_gpu_topology, target_config
 from dtensor.tpu import aot
-from tests.models import SEQ, Block, lm_loss, make_train_step
+from tests.models import SEQ, Block, deep_mlp_step, lm_loss, make_train_step
 from tests.test_aot import DEMO
 
 GIB = 1 << 30
@@ -129,31 +129,9 @@ def test_gpu_memory_limit_is_jax_allocator_pool(monkeypatch):
     assert "a h100 GPU has 80.0 GiB of HBM, 60.0 GiB usable by a program" in str(fit)
 
 
-def _deep(layers: int, width: int = 16384):
-    class Deep(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List(
-                [nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)]
-            )
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = jax.nn.relu(layer(x))
-            return x
-
-    def build():
-        model = Deep(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
-    step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
-    return step, (model, optimizer, batch)
-
-
 @pytest.mark.slow
 def test_too_large_for_a_gpu_under_mirrored_fits_fully_sharded():
-    step, args = _deep(20)  # 20 GiB of float32 weights, 60 with Adam's moments
+    step, args = deep_mlp_step(20)  # 20 GiB of float32 weights, 60 with Adam's moments
     devices = dtensor.gpu_topology("h100:1x8")
     mirrored = strategies.MirroredStrategy(devices).explain(step, args=args)
     fit = mirrored.memory_fit

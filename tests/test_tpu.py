@@ -24,7 +24,7 @@ from dtensor.analysis.memory import (
     padded_bytes,
 )
 from dtensor.tpu.topology import TopologyError
-from tests.models import SEQ, Block, lm_loss, make_train_step
+from tests.models import SEQ, Block, deep_mlp_step, lm_loss, make_train_step
 
 TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1)]
 GIB = 1 << 30
@@ -262,25 +262,7 @@ def test_data_parallel_on_two_slices_crosses_dcn_once_per_step(abstract_block):
 
 def test_too_large_for_hbm_under_mirrored_fits_fully_sharded():
     width, layers = 16384, 5  # 5 GiB of float32 weights, 15 GiB with Adam's moments
-
-    class Deep(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List(
-                [nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(layers)]
-            )
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = jax.nn.relu(layer(x))
-            return x
-
-    def build():
-        model = Deep(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
-    step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    step, (model, optimizer, batch) = deep_mlp_step(layers, width)
     devices = dtensor.tpu_topology("v5e:4x4")
 
     # The TPU compiler itself refuses the replicated program: it exceeds the chip's HBM.
