@@ -172,17 +172,25 @@ def test_the_minimum_takes_moving_activations_where_cheaper():
     assert report.comm_ratio >= 1
 
 
+def _first(row, key):
+    """``key`` per device, per chip or per GPU (the benchmarks name their units)."""
+    return next((row[k] for k in (f"{key}_device", f"{key}_chip", f"{key}_gpu") if k in row), None)
+
+
 def _ratios(payload):
-    rows = payload.get("rows") or payload.get("results") or []
+    # gpu_presets.json keeps its large-model rows apart from the presets' ("large")
+    rows = [*(payload.get("rows") or payload.get("results") or []), *payload.get("large", [])]
     for row in rows:
-        comm = row.get("comm_bytes_per_device", row.get("comm_bytes_per_chip"))
-        low = row.get("min_comm_bytes_per_device", row.get("min_comm_bytes_per_chip"))
+        comm = _first(row, "comm_bytes_per")
+        low = _first(row, "min_comm_bytes_per")
         if comm is None or low is None or (comm == 0 and low == 0):
             continue
         yield row, (math.inf if low == 0 else comm / low)
 
 
-@pytest.mark.parametrize("name", ["comm_memory", "fsdp_scale", "tpu_presets"])
+@pytest.mark.parametrize(
+    "name", ["comm_memory", "fsdp_scale", "tpu_presets", "gpu_presets", "fsdp_scale_gpu"]
+)
 def test_every_benchmark_row_communicates_at_least_its_minimum(name):
     payload = json.loads((RESULTS / f"{name}.json").read_text())
     ratios = list(_ratios(payload))
