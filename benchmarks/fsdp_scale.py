@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--markdown",
         metavar="TOPOLOGY",
-        help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing)",
+        help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing; "
+        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText)",
     )
     args = p.parse_args(argv)
     if args.markdown:
