@@ -14,7 +14,13 @@ compile seconds, and how each option was applied (by the preset, by the
 model when the preset does not take it, or "not available"). Each compile
 runs in its own process (a 7B compile holds several GiB). Writes
 ``benchmarks/results/fsdp_scale.json`` (after every row) and prints the
-table and the targets.
+table and the targets. GPU topologies (``h100:1x8``, :func:`dtensor.gpu_topology`,
+compiled by XLA:GPU) write ``benchmarks/results/fsdp_scale_gpu.json`` instead::
+
+    python -m benchmarks.fsdp_scale --sizes 2b --topologies h100:1x8 --cpu-sizes "" \
+        --options "default,gather at reads,bf16 + remat,bf16 + remat + gather at reads"
+    python -m benchmarks.fsdp_scale --sizes llama2-70b --topologies h100:8x8 --cpu-sizes "" \
+        --options "bf16 + remat + scan" --merge
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -38,6 +45,7 @@ from .fsdp_tables import (
     MAXTEXT_ROWS,
     OPTION_TEXT,
     markdown,
+    results_name,
     side_by_side,
 )
 
@@ -48,6 +56,7 @@ __all__ = [
     "OPTION_TEXT",
     "markdown",
     "measure",
+    "results_name",
     "side_by_side",
 ]
 
@@ -335,12 +344,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--markdown",
         metavar="TOPOLOGY",
-        help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing)",
+        help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing; "
+        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText)",
     )
     args = p.parse_args(argv)
     if args.markdown:
-        path = (args.out or common.RESULTS) / "fsdp_scale.json"
-        payload = json.loads(path.read_text())
+        name = "fsdp_scale" if args.markdown == "maxtext" else results_name([args.markdown])
+        payload = json.loads(((args.out or common.RESULTS) / f"{name}.json").read_text())
         print(
             side_by_side(payload)
             if args.markdown == "maxtext"
@@ -364,19 +374,28 @@ def main(argv: list[str] | None = None) -> None:
     plan = [(s, t, o) for s, t in pairs for o in options]
     if args.maxtext:
         plan = [MAXTEXT_ROWS[i] for i in MAXTEXT_ORDER]
+    try:
+        name = results_name(sorted({t for _, t, _ in plan}))
+    except ValueError as err:
+        p.error(str(err))
     # The judged cases first, then the quick CPU rows, then the rest.
     if not args.maxtext:
         plan.sort(
             key=lambda c: PRIORITY.index(c) if c in PRIORITY else len(PRIORITY) + (c[1] != "cpu")
         )
     rows: list[dict[str, Any]] = []
+    given_argv = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "-m", "benchmarks.fsdp_scale", *given_argv])
     payload: dict[str, Any] = {"global_batch": args.batch, "seq_len": args.seq, "rows": rows}
+    payload["commands"] = [command]
     done: dict[tuple[str, str, str], dict[str, Any]] = {}
     lock = threading.Lock()
     if args.merge:
-        path = (args.out or common.RESULTS) / "fsdp_scale.json"
+        path = (args.out or common.RESULTS) / f"{name}.json"
         if path.exists():
-            for row in json.loads(path.read_text()).get("rows", []):
+            before = json.loads(path.read_text())
+            payload["commands"] = [*before.get("commands", []), command]
+            for row in before.get("rows", []):
                 case = (row["size"], row["topology"], row["option"])
                 if case not in plan:
                     plan.append(case)
@@ -395,13 +414,13 @@ def main(argv: list[str] | None = None) -> None:
             done[case] = row
             rows[:] = [done[c] for c in plan if c in done]
             payload["targets"] = targets(rows)
-            common.write_json("fsdp_scale", payload, args.out)
+            common.write_json(name, payload, args.out)
             print(f"{size} {topology} {option}: {_brief(row)}", flush=True)
 
     common.ensure_devices()
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, [c for c in plan if c not in done]))
-    path = common.write_json("fsdp_scale", payload, args.out)
+    path = common.write_json(name, payload, args.out)
     _print(payload)
     print(f"wrote {path}")
 

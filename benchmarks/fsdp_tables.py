@@ -61,6 +61,30 @@ OPTION_TEXT = {
 }
 
 
+def is_gpu(topology: str) -> bool:
+    """Whether ``topology`` names NVIDIA GPUs (``h100:1x8``) rather than TPUs or ``cpu``."""
+    from dtensor.gpu.specs import GPUS
+
+    return topology.strip().lower().partition(":")[0] in GPUS
+
+
+def results_name(topologies: list[str]) -> str:
+    """The results file (no ``.json``) of rows on ``topologies``: ``fsdp_scale_gpu`` for
+    GPU ones (XLA:GPU), ``fsdp_scale`` for TPU and CPU ones; a mix is refused.
+
+    Examples:
+        >>> results_name(["h100:1x8", "h100:8x8"]), results_name(["v5e:4x4", "cpu"]), results_name([])
+        ('fsdp_scale_gpu', 'fsdp_scale', 'fsdp_scale')
+    """
+    kinds = {is_gpu(t) for t in topologies}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"topologies {', '.join(topologies)} mix GPUs with TPUs/CPU; their rows go to "
+            "different results files (fsdp_scale_gpu.json, fsdp_scale.json): run them apart."
+        )
+    return "fsdp_scale_gpu" if kinds == {True} else "fsdp_scale"
+
+
 def markdown(payload: dict[str, Any], topology: str) -> str:
     """The rows of one topology as the Markdown table the README and the docs show."""
     gib = float(1 << 30)
@@ -69,13 +93,16 @@ def markdown(payload: dict[str, Any], topology: str) -> str:
         (r for r in payload["rows"] if r["topology"] == topology),
         key=lambda r: (r["size"], order.get(r["option"], len(order)), r["option"]),
     )
+    unit, platform = ("GPU", "GPU") if is_gpu(topology) else ("chip", "TPU")
     out = [
-        "| model | options | peak per chip | ideal peak | fits HBM | comm / min "
-        "| all-gather per chip | gradient reductions |",
+        f"| model | options | peak per {unit} | ideal peak | fits HBM | comm / min "
+        f"| all-gather per {unit} | gradient reductions |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = OPTION_TEXT.get(r["option"], r["option"])
+        if r["option"] == "default":
+            name = f"default (XLA's plan on {platform})"
         if not r.get("peak_bytes_per_chip"):
             need = r.get("required_bytes")
             peak = f"≥ {need / gib:.1f} GiB" if need else "—"

@@ -9,8 +9,8 @@ use, and the communication per GPU split into NVLink (within a host) and
 InfiniBand/RoCE (between hosts). Then the large-model rows (:data:`LARGE`):
 the decoder of ``examples/decoder.py`` under ``FullyShardedStrategy`` with the
 TPU rows' options (``benchmarks.fsdp_scale``), each compiled in its own
-process; a size ``examples/train.py`` does not offer yet (``llama2-70b``) is
-recorded as not available. :data:`REFERENCES` are published GPU figures the
+process (``llama2-70b`` with scanned layers, as its TPU row); a size
+``examples/train.py`` does not offer is recorded as not available. :data:`REFERENCES` are published GPU figures the
 rows are set against. Writes ``benchmarks/results/gpu_presets.json`` and
 prints the tables.
 """
@@ -37,14 +37,19 @@ LARGE: list[tuple[str, str, str, int, int]] = [
     ("7b", "h100:2x8", "default", 16, 1024),
     # torchtitan's Llama 3.1 8B row: 8 H100s, local batch 2 x 8192, bf16, activation checkpointing.
     ("7b", "h100:1x8", "bf16 + remat", 16, 8192),
-    # MaxText's / torchtitan's 70B scale: 64 H100s (8 hosts), once examples/train.py has the size.
-    ("llama2-70b", "h100:8x8", "bf16 + remat", 64, 1024),
+    # The TPU row's (v5p:4x4x4) size, batch and options on 64 H100s (8 hosts).
+    ("llama2-70b", "h100:8x8", "bf16 + remat + scan", 64, 1024),
+    # torchtitan's Llama 3 70B row: 64 A100 80GB (8 hosts), local batch 1 x 8192, full AC.
+    ("llama2-70b", "a100-80gb:8x8", "bf16 + remat + scan", 64, 8192),
+    # the same tokens per GPU on 64 H100s
+    ("llama2-70b", "h100:8x8", "bf16 + remat + scan", 64, 8192),
 ]
 
 OPTIONS: dict[str, list[str]] = {
     "default": [],
     "bf16 + remat": ["--mixed-precision", "bf16", "--remat"],
     "bf16 + remat + gather at reads": ["--mixed-precision", "bf16", "--remat", "--gather-at-reads"],
+    "bf16 + remat + scan": ["--mixed-precision", "bf16", "--remat", "--scan"],
 }
 
 #: Published GPU figures the large rows are compared with.
@@ -58,11 +63,14 @@ REFERENCES: list[dict[str, Any]] = [
         "compare_with": ("7b", "h100:1x8", "bf16 + remat"),
     },
     {
-        "source": "torchtitan docs/performance.md (Llama 3 70B, FSDP2 on 64 A100 80GB)",
+        "source": "torchtitan docs/performance.md, Llama 3 performance numbers (70B, FSDP2 "
+        "on 64 A100 80GB)",
         "hardware": "64 A100 80GB, 8 hosts",
-        "setup": "FSDP2, local batch 1 x 8192, full activation checkpointing; 51.7% MFU",
+        "setup": "FSDP2, local batch 1 x 8192 tokens, full activation checkpointing; "
+        "331 tokens/s per GPU",
         "memory_gib_per_gpu": None,
-        "compare_with": ("llama2-70b", "h100:8x8", "bf16 + remat"),
+        "mfu": 0.517,
+        "compare_with": ("llama2-70b", "a100-80gb:8x8", "bf16 + remat + scan"),
     },
 ]
 
@@ -81,8 +89,12 @@ def _row(report: Any, fit: Any) -> dict[str, Any]:
         "nvlink_bytes_per_gpu": report.nvlink_bytes_per_device,
         "ib_bytes_per_gpu": report.ib_bytes_per_device,
         "min_comm_bytes_per_gpu": report.min_comm_bytes_per_device,
+        "min_comm_references": report.min_comm_references,
         "comm_by_kind": report.by_kind(),
         "collective_ops": sum(c.count for c in report.collectives),
+        "step_time_floor_seconds": report.step_time_floor_seconds,
+        "mfu_ceiling": report.mfu_ceiling,
+        "step_floor": report.to_dict()["step_floor"],
     }
 
 
@@ -147,6 +159,14 @@ def _h(n: float | None) -> str:
     return "-" if n is None else human_bytes(n)
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if not seconds else f"{seconds * 1e3:.0f} ms"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _ratio(row: dict[str, Any]) -> str:
     m = row.get("min_comm_bytes_per_gpu")
     return "-" if not m else f"{row['comm_bytes_per_gpu'] / m:.2f}"
@@ -194,12 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     if payload["large"]:
         common.print_table(
             "FullyShardedStrategy, decoder of examples/decoder.py, per GPU",
-            ["size", "topology", "option", "batch x seq", "peak", "fits", "NVLink", "IB", "comm / min"],
+            ["size", "topology", "option", "batch x seq", "peak", "fits", "NVLink", "IB", "comm / min",
+             "floor", "MFU ceiling", "compile s"],
             [
                 (r["size"], r["topology"], r["option"], f"{r.get('global_batch')} x {r.get('seq_len')}",
                  _h(r.get("peak_bytes_per_gpu")), {True: "yes", False: "NO"}.get(r.get("fits"), "-"),
                  _h(r.get("nvlink_bytes_per_gpu")), _h(r.get("ib_bytes_per_gpu")),
-                 _ratio(r) if "comm_bytes_per_gpu" in r else r.get("error", "-")[:40])
+                 _ratio(r) if "comm_bytes_per_gpu" in r else r.get("error", "-")[:40],
+                 _ms(r.get("step_time_floor_seconds")), _pct(r.get("mfu_ceiling")),
+                 r.get("compile_seconds", "-"))
                 for r in payload["large"]
             ],
         )  # fmt: skip

@@ -129,6 +129,28 @@ def test_fsdp_scale_rows_on_cpu(tmp_path, capsys):
     assert all(line.endswith("| — | — | — | — |") for line in side[2:])
 
 
+def test_fsdp_scale_gpu_tables_are_the_docs_tables(capsys):
+    """GPU topologies' rows live in fsdp_scale_gpu.json; --markdown prints them per GPU, and
+    the README and the large-models guide show those tables as printed."""
+    from pathlib import Path
+
+    from benchmarks import fsdp_scale
+
+    root = Path(__file__).resolve().parents[1]
+    readme, guide = "README.md", "docs/guides/large_models.md"
+    for topology, docs in (("h100:1x8", [guide]), ("h100:8x8", [readme, guide])):
+        fsdp_scale.main(["--markdown", topology])
+        table = capsys.readouterr().out.splitlines()
+        assert table[0].startswith("| model | options | peak per GPU |") and len(table) > 2
+        for doc in docs:
+            lines = (root / doc).read_text().splitlines()
+            missing = [line for line in table if line not in lines]
+            assert not missing, f"{doc}, {topology}: not the results' table: {missing}"
+    with pytest.raises(SystemExit):
+        fsdp_scale.main(["--sizes", "2b", "--topologies", "h100:1x8,v5e:4x4", "--cpu-sizes="])
+    assert "mix GPUs with TPUs/CPU" in capsys.readouterr().err
+
+
 def test_checkpoint_gcs_benchmark_tiny(tmp_path):
     """The bucket-vs-disk benchmark with a 2 MiB tree: its own emulator, JSON with both places."""
     import os

@@ -12,7 +12,7 @@ import pytest
 
 import dtensor
 from dtensor.analysis import memory
-from dtensor.analysis.floor import matmul_flops, step_floor
+from dtensor.analysis.floor import between_hosts_bytes, matmul_flops, step_floor
 from dtensor.analysis.hardware import CHIPS, USABLE_HBM_GIB, chip_of
 from dtensor.analysis.minimum import REFERENCE_NAMES, matmul_reference
 
@@ -86,6 +86,54 @@ def test_tpu_report_has_a_floor_and_an_mfu_ceiling():
     assert cpu.step_floor is None and cpu.step_time_floor_seconds is None
 
 
+def test_gpu_report_has_a_floor_over_nvlink_and_the_network_between_hosts():
+    devices = dtensor.gpu_topology("h100:2x8")
+    chip = chip_of(devices)
+    assert chip.generation == "h100" and chip.peak_flops == 989e12 and chip.hbm_gib == 80
+    assert chip.ici_bytes_per_s == 450e9 and chip.dcn_bytes_per_s == 50e9
+    assert chip.networks == ("NVLink", "IB") and CHIPS["TPU v5"].networks == ("ICI", "DCN")
+    mesh = dtensor.create_mesh([("x", 16)], devices=devices)
+    lay = dtensor.Layout(["x", None], mesh).sharding
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=lay)
+    b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16, sharding=lay)
+
+    def step(w, b):
+        g = jax.grad(lambda w: ((b @ w).astype(jnp.float32) ** 2).mean())(w)
+        return w - 0.1 * g.astype(w.dtype)
+
+    report = dtensor.explain(step, w, b)
+    floor = report.step_floor
+    assert floor.chip == "h100" and floor.devices == 16 and floor.networks == ("NVLink", "IB")
+    assert floor.compute_seconds == pytest.approx(floor.flops_per_device / 989e12)
+    # The mesh spans both hosts: its collectives cross the network between them, where each
+    # host takes in at least half of the data over its 8 NICs: 1/2 / (15/16) / 8 of the
+    # ring bytes.
+    ib = [c for c in report.collectives if c.network == "ib"]
+    assert ib and report.ib_bytes_per_device > 0
+    assert floor.ici_seconds == pytest.approx(report.nvlink_bytes_per_device / 450e9)
+    between = sum(between_hosts_bytes(c, mesh) for c in ib)
+    assert between == pytest.approx(report.ib_bytes_per_device * 0.5 / (15 / 16) / 8)
+    assert floor.dcn_seconds == pytest.approx(between / 50e9)
+    assert floor.bound in ("compute", "NVLink", "IB") and "ICI" not in str(report)
+    assert f"step-time floor ({floor.bound}-bound)" in str(report)
+
+
+def test_between_hosts_bytes_by_group_shape():
+    from dtensor.analysis.collective import Collective
+
+    devices = dtensor.gpu_topology("h100:2x8")
+    # data across the two hosts (1 GPU of each group per host), tensor inside a host
+    mesh = dtensor.create_mesh([("data", 2), ("tensor", 8)], devices=devices)
+
+    def one(kind, axes, n, ring):
+        return between_hosts_bytes(Collective(kind, axes, "f32", (1,), n, ring, count=3), mesh)
+
+    assert one("all-reduce", ("data",), 2, 1000.0) == 3 * 1000.0  # h = n = 2, g = 1
+    assert one("all-reduce", ("tensor",), 8, 1000.0) == 0.0  # inside a host
+    assert one("all-to-all", ("data", "tensor"), 16, 1500.0) == pytest.approx(3 * 800.0)
+    assert one("all-gather", ("data", "tensor"), 16, 1500.0) == pytest.approx(3 * 100.0)
+
+
 def _on_cpu(*structs):
     mesh = dtensor.create_mesh([("x", 4)], devices=jax.devices()[:4])
     lay = dtensor.Layout(["x", None], mesh).sharding
@@ -124,17 +172,25 @@ def test_the_minimum_takes_moving_activations_where_cheaper():
     assert report.comm_ratio >= 1
 
 
+def _first(row, key):
+    """``key`` per device, per chip or per GPU (the benchmarks name their units)."""
+    return next((row[k] for k in (f"{key}_device", f"{key}_chip", f"{key}_gpu") if k in row), None)
+
+
 def _ratios(payload):
-    rows = payload.get("rows") or payload.get("results") or []
+    # gpu_presets.json keeps its large-model rows apart from the presets' ("large")
+    rows = [*(payload.get("rows") or payload.get("results") or []), *payload.get("large", [])]
     for row in rows:
-        comm = row.get("comm_bytes_per_device", row.get("comm_bytes_per_chip"))
-        low = row.get("min_comm_bytes_per_device", row.get("min_comm_bytes_per_chip"))
+        comm = _first(row, "comm_bytes_per")
+        low = _first(row, "min_comm_bytes_per")
         if comm is None or low is None or (comm == 0 and low == 0):
             continue
         yield row, (math.inf if low == 0 else comm / low)
 
 
-@pytest.mark.parametrize("name", ["comm_memory", "fsdp_scale", "tpu_presets"])
+@pytest.mark.parametrize(
+    "name", ["comm_memory", "fsdp_scale", "tpu_presets", "gpu_presets", "fsdp_scale_gpu"]
+)
 def test_every_benchmark_row_communicates_at_least_its_minimum(name):
     payload = json.loads((RESULTS / f"{name}.json").read_text())
     ratios = list(_ratios(payload))

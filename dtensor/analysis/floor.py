@@ -7,7 +7,14 @@ The floor is the larger of
 - communication: its collectives' bytes per device (as :func:`dtensor.explain`
   reads them from the compiled program, loops counted once per iteration)
   over the chip's ICI egress bandwidth, and those between slices over its
-  DCN share (the two networks overlap, so the larger of the two).
+  DCN share (the two networks overlap, so the larger of the two). On NVIDIA
+  GPUs the two networks are NVLink (within a host) and the GPU's
+  InfiniBand/RoCE NIC (between hosts). A collective whose groups span ``h``
+  hosts, ``g`` of a group's GPUs in each, must bring at least ``(h-1)/h`` of
+  its data into each host over those GPUs' ``g`` NICs (an all-reduce twice),
+  whatever NCCL's algorithm (ring, tree, hierarchical): the between-hosts term
+  takes that, ``ring bytes x (h-1)/h / ((n-1)/n) / g``, not the ring bytes
+  (which would charge every byte of a 64-GPU all-gather to the network).
 
 The FLOPs are counted on the step's jaxpr, every ``dot_general`` at
 ``2 * output elements * contracted size``: the forward pass, the backward
@@ -30,9 +37,11 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from dtensor.analysis.hardware import Chip, chip_of
 
-__all__ = ["StepFloor", "floor_for", "matmul_flops", "step_floor"]
+__all__ = ["StepFloor", "between_hosts_bytes", "floor_for", "matmul_flops", "step_floor"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +55,7 @@ class StepFloor:
     chip: str
     devices: int = 1
     peak_flops: float = 0.0
+    networks: tuple[str, str] = ("ICI", "DCN")
 
     @property
     def seconds(self) -> float:
@@ -54,9 +64,11 @@ class StepFloor:
 
     @property
     def bound(self) -> str:
-        """What sets the floor: ``"compute"``, ``"ICI"`` or ``"DCN"``."""
-        terms = {"compute": self.compute_seconds, "ICI": self.ici_seconds}
-        terms["DCN"] = self.dcn_seconds or 0.0
+        """What sets the floor: ``"compute"`` or a network's name (``"ICI"``, ``"DCN"``;
+        ``"NVLink"``, ``"IB"`` on GPUs)."""
+        within, between = self.networks
+        terms = {"compute": self.compute_seconds, within: self.ici_seconds}
+        terms[between] = self.dcn_seconds or 0.0
         return max(terms, key=lambda k: terms[k])
 
     def mfu_ceiling(self, model_flops: float) -> float:
@@ -138,17 +150,54 @@ def step_floor(
         chip=chip.generation,
         devices=int(devices),
         peak_flops=chip.peak_flops,
+        networks=chip.networks,
     )
 
 
 def floor_for(jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any) -> StepFloor | None:
     """The floor of a compiled step on its mesh's chip (``None`` for a chip not in the
     hardware table, or without a jaxpr): ``collectives`` are its
-    :class:`dtensor.analysis.hlo.Collective` s, ``dcn_bytes`` those that cross slices."""
+    :class:`dtensor.analysis.hlo.Collective` s, ``dcn_bytes`` those that cross slices
+    (on GPUs: hosts)."""
     chip = chip_of(mesh.device_list) if mesh is not None else None
     if chip is None or jaxpr is None or mesh is None:
         return None
     total = float(sum(c.total_bytes_per_device for c in collectives))
-    dcn = dcn_bytes or 0.0
     flops = matmul_flops(jaxpr) / mesh.size
+    if chip.networks == ("NVLink", "IB"):
+        ib = [c for c in collectives if c.network == "ib"]
+        within = total - sum(c.total_bytes_per_device for c in ib)
+        between = sum(between_hosts_bytes(c, mesh) for c in ib)
+        return step_floor(flops, within, between, chip, devices=mesh.size)
+    dcn = dcn_bytes or 0.0
     return step_floor(flops, total - dcn, dcn, chip, devices=mesh.size)
+
+
+def between_hosts_bytes(collective: Any, mesh: Any) -> float:
+    """What one GPU's NIC must carry for ``collective`` (all executions) at least: its ring
+    bytes scaled to ``(h-1)/h`` of the data entering each of the ``h`` hosts its groups span,
+    shared by the group's ``g`` GPUs in each (see the module docs); all-to-all and
+    collective-permute keep their ring bytes over ``(h-1)/h`` (each GPU sends its own).
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.analysis.collective import Collective
+        >>> from dtensor.analysis.floor import between_hosts_bytes
+        >>> mesh = dtensor.create_mesh([("fsdp", 16)], devices=dtensor.gpu_topology("h100:2x8"))
+        >>> c = Collective("all-gather", ("fsdp",), "bf16", (1024,), 16, 15 / 16 * 2048)
+        >>> between_hosts_bytes(c, mesh)   # 1/2 of the 2 KiB enters each host, over 8 NICs
+        128.0
+    """
+    sizes = mesh.shape
+    axes = [a for a in collective.mesh_axes if a in sizes] or list(sizes)
+    hosts = np.array([int(d.process_index) for d in mesh.device_list]).reshape(
+        [sizes[a] for a in mesh.dim_names]
+    )
+    group = hosts[tuple(slice(None) if a in axes else 0 for a in mesh.dim_names)].ravel()
+    n, h = group.size, len(set(group.tolist()))
+    if n <= 1 or h <= 1:
+        return 0.0
+    share = ((h - 1) / h) / ((n - 1) / n)
+    if collective.kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        share /= n / h  # g GPUs of the group in each host, each with its own NIC
+    return collective.total_bytes_per_device * share

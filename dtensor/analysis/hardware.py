@@ -24,6 +24,11 @@ A collective's bytes per device (the ring model of
 :mod:`dtensor.analysis.collective`) leave a chip over all its ICI links at
 once at best, so the floor divides them by the chip's egress bandwidth, half
 the bidirectional figure.
+
+NVIDIA GPUs join through :func:`chip_of` from their own cited table
+(:data:`dtensor.gpu.specs.GPUS`): dense bf16 peak, NVLink within a host in
+the place of ICI, the GPU's NIC (InfiniBand/RoCE) between hosts in the place
+of DCN, and what JAX's allocator lets one program use.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+from dtensor.gpu.specs import gpu_spec, memory_fraction
 
 __all__ = ["CHIPS", "GENERATIONS", "USABLE_HBM_GIB", "Chip", "chip_of"]
 
@@ -45,7 +52,9 @@ class Chip:
     ``ici_bytes_per_s`` what one chip can send at once over its ICI links
     (half the bidirectional figure); ``dcn_bytes_per_s`` its share of the
     hosts' data-centre network (``None`` where none is published);
-    ``usable_hbm_gib`` what the compiler lets one program use per device.
+    ``usable_hbm_gib`` what the compiler lets one program use per device;
+    ``networks`` the names of the two networks (``("NVLink", "IB")`` for a
+    GPU: within a host, between hosts).
     """
 
     generation: str
@@ -54,6 +63,7 @@ class Chip:
     usable_hbm_gib: float
     ici_bytes_per_s: float
     dcn_bytes_per_s: float | None
+    networks: tuple[str, str] = ("ICI", "DCN")
 
 
 _V4 = Chip("v4", 275e12, 32, 15.25, 300 * GB, None)
@@ -82,7 +92,8 @@ USABLE_HBM_GIB: dict[str, float] = {c.generation: c.usable_hbm_gib for c in CHIP
 
 
 def chip_of(devices: Sequence[Any]) -> Chip | None:
-    """The :class:`Chip` of ``devices`` (``None`` for a kind not in :data:`CHIPS`).
+    """The :class:`Chip` of ``devices`` (``None`` for a kind in neither :data:`CHIPS` nor
+    :data:`dtensor.gpu.specs.GPUS`).
 
     Examples:
         >>> import dtensor
@@ -95,4 +106,19 @@ def chip_of(devices: Sequence[Any]) -> Chip | None:
     """
     if not devices:
         return None
-    return CHIPS.get(getattr(devices[0], "device_kind", ""))
+    chip = CHIPS.get(getattr(devices[0], "device_kind", ""))
+    if chip is not None:
+        return chip
+    spec = gpu_spec(devices)
+    if spec is None:
+        return None
+    gib = float(1 << 30)
+    return Chip(
+        spec.name,
+        spec.peak_bf16_flops,
+        spec.hbm_bytes / gib,
+        spec.hbm_bytes * memory_fraction() / gib,
+        spec.nvlink_bytes_per_second,
+        spec.network_bytes_per_second,
+        networks=("NVLink", "IB"),
+    )

@@ -243,11 +243,12 @@ def summary(result: AotResult, *, title: str = "") -> str:
     floor = r.step_floor
     if floor is not None:
         mfu = f"; MFU ceiling {r.mfu_ceiling:.1%}" if r.mfu_ceiling is not None else ""
-        dcn = f", DCN {floor.dcn_seconds * 1e3:.1f} ms" if floor.dcn_seconds else ""
+        within, between = floor.networks
+        dcn = f", {between} {floor.dcn_seconds * 1e3:.1f} ms" if floor.dcn_seconds else ""
         console.print(
             f"step-time floor {floor.seconds * 1e3:.1f} ms ({floor.bound}-bound: compute "
             f"{floor.compute_seconds * 1e3:.1f} ms for {floor.flops_per_device / 1e12:.2f} "
-            f"TFLOP per chip at peak, ICI {floor.ici_seconds * 1e3:.1f} ms{dcn}){mfu}",
+            f"TFLOP per {unit} at peak, {within} {floor.ici_seconds * 1e3:.1f} ms{dcn}){mfu}",
             highlight=False,
             markup=False,
             soft_wrap=True,

@@ -71,7 +71,7 @@ class FullyShardedStrategy(Strategy):
             peaks at 8.2 GiB per chip with XLA's plan against 16.3 GiB with
             gathers at reads (``benchmarks/results/fsdp_scale.json``); on
             h100:1x8 (XLA:GPU, ahead of time) 28.2 against 28.3 GiB, with
-            0.55 against 1.00 of the minimum communication
+            13.4 against 24.5 GiB of communication per GPU
             (``benchmarks/results/fsdp_scale_gpu.json``).
 
     Examples:
