@@ -72,7 +72,9 @@ def test_async_training_matches_sync_and_runs_every_closure_once():
 
     model = Regression()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with ClusterCoordinator(strategy) as coordinator:
+    # Staleness bounded at 5 (a commit that read older parameters runs again), so the
+    # tolerance below holds on a loaded machine too: unbounded, 51 was seen at load 12.
+    with ClusterCoordinator(strategy, max_staleness=5) as coordinator:
         assert coordinator.num_workers == 6
         dataset = coordinator.create_per_worker_dataset(
             lambda ctx: _endless(x, y, ctx.input_pipeline_id, ctx.num_input_pipelines)
@@ -85,22 +87,19 @@ def test_async_training_matches_sync_and_runs_every_closure_once():
     async_loss = float(_loss(model, x, y))
     stats = coordinator.stats()
 
-    # Stated tolerance: with gradients up to 5 updates stale, async SGD ends within
+    # Stated tolerance: with gradients at most 5 updates stale, async SGD ends within
     # 25% (relative) of synchronous SGD's loss on this convex problem; both sit
-    # near the noise floor (0.05**2 = 0.0025), far below the starting loss. On a
-    # loaded machine workers read older parameters (staleness above 5 was seen with
-    # async loss 0.0042): then it must still end within 2x of the floor's bound.
+    # near the noise floor (0.05**2 = 0.0025), far below the starting loss.
     first = float(losses[0].fetch())
     assert sync_loss < 0.004 < first
-    if max(stats.staleness) <= 5:
-        assert async_loss < 0.004
-        assert abs(async_loss - sync_loss) <= 0.25 * sync_loss
-    else:
-        assert async_loss < 0.008, (async_loss, max(stats.staleness))
+    assert max(stats.staleness) <= 5  # the bound, enforced
+    assert async_loss < 0.004
+    assert abs(async_loss - sync_loss) <= 0.25 * sync_loss, (async_loss, sync_loss)
     # Every closure ran exactly once: each committed its own ledger entry once.
     np.testing.assert_array_equal(np.asarray(model.seen[...]), np.ones(STEPS))
     assert int(optimizer.step[...]) == STEPS
-    assert stats.completed == STEPS and len(stats.staleness) == STEPS and stats.retries == 0
+    # (a closure refused as too stale ran again: stats.retries counts those re-runs)
+    assert stats.completed == STEPS and len(stats.staleness) == STEPS
     assert sum(1 for n in stats.per_worker if n > 0) >= 2  # really spread over workers
     assert max(stats.staleness) >= 1  # and really asynchronous
     # The variables stay split over the two parameter devices.
