@@ -173,23 +173,47 @@ def test_remat_blocks_keep_the_batch_split_under_xla_plan():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_swapped_block_constrains_its_batch_shaped_inputs_and_outputs():
+def test_swapped_block_constrains_its_batch_shaped_inputs_and_outputs_in_scanned_layers():
+    """Each layer of a scanned stack keeps its (batch, seq, d) input and output split over the
+    batch axes; unrolled layers are left to XLA (there the constraint made it gather weights)."""
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec
 
     import dtensor
     from strategies.reads import swaps
 
-    block = Block(CONFIGS["tiny"], nnx.Rngs(0))
-    swaps.swap_call(block, remat=True, batch_axes=("fsdp",))
+    cfg = CONFIGS["tiny"].replace(scan=True)
     x, positions = jnp.zeros((8, 16, 64)), jnp.arange(16)
-    graphdef, state = nnx.split(block)  # the swapped class is recorded in the graphdef
-    with dtensor.create_mesh([("fsdp", 8)]):
-        eqns = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, positions))(state, x).eqns
-    constrained = [e for e in eqns if e.primitive.name == "sharding_constraint"]
+
+    def constrained(module, call):
+        swaps.swap_call(module, remat=True, batch_axes=("fsdp",))
+        graphdef, state = nnx.split(module)  # the swapped class is recorded in the graphdef
+        with dtensor.create_mesh([("fsdp", 8)]):
+            jaxpr = jax.make_jaxpr(lambda s, x: call(nnx.merge(graphdef, s), x))(state, x)
+        found = []
+
+        def walk(j):
+            for e in j.eqns:
+                if e.primitive.name == "sharding_constraint":
+                    found.append((e.invars[0].aval.shape, e.params["sharding"].spec))
+                for sub in jax.core.jaxprs_in_params(e.params):
+                    walk(sub)
+
+        walk(jaxpr.jaxpr)
+        return found
+
+    def scanned(stack, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x, positions)
+
+        return body(x, stack)
+
+    stack = Decoder(cfg, rngs=nnx.Rngs(0)).layers
     # the (batch, seq, d) input and output, not the (seq,) positions
-    assert [e.invars[0].aval.shape for e in constrained] == [(8, 16, 64), (8, 16, 64)]
-    assert all(e.params["sharding"].spec == PartitionSpec("fsdp") for e in constrained)
+    assert constrained(stack, scanned) == [((8, 16, 64), PartitionSpec("fsdp"))] * 2
+    block = Block(CONFIGS["tiny"], nnx.Rngs(0))
+    assert constrained(block, lambda b, x: b(x, positions)) == []
 
 
 def test_block_kinds_differ_where_they_should():
