@@ -75,6 +75,9 @@ class ReadOptions:
     # whole over ``batch_axes`` after its cast, so each layer's weights are gathered inside the
     # loop body (and recomputed with the block); see ``_layer_gathered`` (HybridStrategy).
     layer_gather: bool = False
+    # Under XLA's plan: those ``remat=`` block inputs and outputs (rank >= 3) also split along
+    # the sequence over these axes (HybridStrategy's ``tensor``): sequence parallelism.
+    sequence_axes: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -325,6 +328,7 @@ def _swap_modules(
             policy=options.remat_policy if named else None,
             embed=embed,
             batch_axes=options.batch_axes if named and not options.gather else (),
+            sequence_axes=options.sequence_axes if named and not options.gather else (),
         )
         if named or reshard:
             rematted.append(path)

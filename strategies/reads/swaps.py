@@ -147,16 +147,23 @@ def _embed_call(self: Any, inputs: Any, *args: Any, out_sharding: Any = None, **
     return nnx.Embed.__call__(self, inputs, *args, out_sharding=out_sharding, **kw)
 
 
-def _batch_split(tree: Any, axes: tuple[str, ...], rows: int | None) -> Any:
+def _batch_split(
+    tree: Any, axes: tuple[str, ...], rows: int | None, sequence: tuple[str, ...] = ()
+) -> Any:
     """``tree`` with each array of ``rows`` leading rows (rank >= 2) constrained to
-    ``PartitionSpec(axes)`` along dimension 0."""
+    ``PartitionSpec(axes)`` along dimension 0 (and, rank >= 3, ``sequence`` along 1)."""
     if not axes or rows is None:
         return tree
-    spec = PartitionSpec(tuple(axes)) if len(axes) > 1 else PartitionSpec(*axes)
+
+    def entry(names: tuple[str, ...]) -> Any:
+        return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+    spec = PartitionSpec(entry(axes))
+    spec3 = PartitionSpec(entry(axes), entry(sequence)) if sequence else spec
 
     def one(x: Any) -> Any:
         if _is_array(x) and np.ndim(x) >= 2 and np.shape(x)[0] == rows:
-            return jax.lax.with_sharding_constraint(x, spec)
+            return jax.lax.with_sharding_constraint(x, spec3 if np.ndim(x) >= 3 else spec)
         return x
 
     return jax.tree.map(one, tree)
@@ -179,6 +186,7 @@ def _call_class(
     embed: bool,
     batch_axes: tuple[str, ...] = (),
     stacked: tuple[int, ...] | None = None,
+    sequence_axes: tuple[str, ...] = (),
 ) -> type:
     inner = _embed_call if embed else base.__call__
 
@@ -192,7 +200,7 @@ def _call_class(
         # leading (layer) dimension it had when the module was swapped.
         split = bool(stacked) and _first_shape(self) == stacked[1:]
         if split:
-            leaves = list(_batch_split(leaves, batch_axes, rows))
+            leaves = list(_batch_split(leaves, batch_axes, rows, sequence_axes))
         arrays = [x for x in leaves if _is_array(x)]
 
         def body(module: Any, *arrays: Any) -> Any:
@@ -202,7 +210,7 @@ def _call_class(
 
         out = nnx.remat(body, prevent_cse=prevent_cse, policy=policy)(self, *arrays)
         if split:
-            out = _batch_split(out, batch_axes, rows)
+            out = _batch_split(out, batch_axes, rows, sequence_axes)
         return out
 
     return type(base.__name__, (base,), {"__call__": __call__, _BASE: base})
@@ -216,6 +224,7 @@ def swap_call(
     prevent_cse: bool = True,
     embed: bool = False,
     batch_axes: tuple[str, ...] = (),
+    sequence_axes: tuple[str, ...] = (),
 ) -> None:
     """Give ``module`` (an object merged inside a trace) a cached subclass with a wrapped ``__call__``.
 
@@ -228,12 +237,15 @@ def swap_call(
     dimension 0 over these mesh axes (a sharding constraint; Auto axes). Calls
     of the whole module (unrolled layers) are left to XLA: there the
     constraint made it gather weights rather than move activations (unrolled
-    7b, v5e:4x4: all-gathers 75 -> 229 GiB per chip).
+    7b, v5e:4x4: all-gathers 75 -> 229 GiB per chip). ``sequence_axes``: those
+    inputs and outputs of rank 3 or more also split along dimension 1 (the
+    sequence) over these axes, so the layer inputs kept for the backward pass
+    are not copied on each of them (Megatron's sequence parallelism).
     """
     base = swapped_base(type(module))
     stacked = _first_shape(module) if batch_axes else None
     module.__class__ = _call_class(
-        base, remat, policy, prevent_cse, embed, tuple(batch_axes), stacked
+        base, remat, policy, prevent_cse, embed, tuple(batch_axes), stacked, tuple(sequence_axes)
     )
 
 
