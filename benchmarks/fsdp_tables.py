@@ -27,7 +27,10 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
     ("7b", "v5e:4x4", "bf16 + remat + scan"),
     ("gemma3-12b", "v5e:4x4", "bf16 + remat + scan"),
     ("llama2-70b", "v5p:4x4x4", "bf16 + remat + scan"),
+    # HybridStrategy's tensor size swept (2, 4, 8: each divides the 8 KV heads).
+    ("llama2-70b", "v5p:4x4x4", "hybrid tensor=2 + bf16 + remat + scan"),
     ("llama2-70b", "v5p:4x4x4", "hybrid tensor=4 + bf16 + remat + scan"),
+    ("llama2-70b", "v5p:4x4x4", "hybrid tensor=8 + bf16 + remat + scan"),
     # MaxText's libtpu: compiled in a venv with jax 0.12.0.1 + libtpu 0.0.52 (Python 3.13) by
     # ``python -m benchmarks.fsdp_scale --row 7b v5e:4x4 "bf16 + remat + scan"``, the row
     # merged into the results under this option name.
@@ -35,7 +38,7 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
 ]
 
 #: The order ``--maxtext`` measures them in (the targets most in doubt first).
-MAXTEXT_ORDER = [3, 4, 5, 6, 1, 0, 2]
+MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2]
 
 
 #: how the options are written in the README's table

@@ -68,9 +68,10 @@ def test_gather_at_read_defaults():
     assert opts.gather and opts.axes == ("data", "fsdp") and opts.reshard_after_forward
     assert opts.explicit_axes == ("data", "fsdp", "tensor") and opts.preset == "HybridStrategy"
     assert not _hybrid(reshard_after_forward=False).read_options().reshard_after_forward
-    # Without it: today's plan (XLA gathers; the fsdp owners still rematerialised).
+    # Without it: XLA's plan (XLA gathers and decides what to keep, as under FullyShardedStrategy;
+    # wrapping the owners rematerialised a decoder whole, its remat= blocks inside it).
     plain = _hybrid(gather_at_read=False).read_options()
-    assert not plain.gather and plain.axes == ("fsdp",) and plain.reshard_after_forward
+    assert not plain.gather and plain.axes == ("fsdp",) and not plain.reshard_after_forward
     # fsdp=1: nothing to gather (TensorParallelStrategy, pure data parallelism).
     assert not strategies.HybridStrategy(data=8).read_options().gather
     assert not strategies.TensorParallelStrategy(tensor_parallel=2).read_options().gather
