@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import secrets
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -194,9 +197,6 @@ def transfer_host(coordinator: str | None, environ: Any = None) -> str:
         >>> transfer_host("10.0.0.7:1234", environ={"DTENSOR_TRANSFER_HOST": "10.0.0.9"})
         '10.0.0.9'
     """
-    import os
-    import socket
-
     environ = os.environ if environ is None else environ
     if environ.get(ENV_TRANSFER_HOST):
         return str(environ[ENV_TRANSFER_HOST])
@@ -222,8 +222,6 @@ def _bind(host: str) -> str:
 def announce(role: Any, address: str) -> None:
     """One line on stderr saying where this task's transfer server listens (as TF's
     servers say where they started)."""
-    import sys
-
     print(f"dtensor: {role.task_type} {role.task_index}: transfers at {address}", file=sys.stderr)
 
 

@@ -302,8 +302,7 @@ def _layer_gathered(
 def _without(entry: Any, axes: tuple[str, ...]) -> Any:
     """A spec entry without the mesh axes ``axes`` (``None`` when none is left)."""
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    left = tuple(a for a in names if a not in axes)
-    return None if not left else left[0] if len(left) == 1 else left
+    return swaps.spec_entry(tuple(a for a in names if a not in axes))
 
 
 def _swap_modules(

@@ -147,6 +147,11 @@ def _embed_call(self: Any, inputs: Any, *args: Any, out_sharding: Any = None, **
     return nnx.Embed.__call__(self, inputs, *args, out_sharding=out_sharding, **kw)
 
 
+def spec_entry(names: tuple[str, ...]) -> Any:
+    """A ``PartitionSpec`` entry for mesh axes ``names``: ``None``, one name, or a tuple."""
+    return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+
 def _batch_split(
     tree: Any, axes: tuple[str, ...], rows: int | None, sequence: tuple[str, ...] = ()
 ) -> Any:
@@ -154,12 +159,8 @@ def _batch_split(
     ``PartitionSpec(axes)`` along dimension 0 (and, rank >= 3, ``sequence`` along 1)."""
     if not axes or rows is None:
         return tree
-
-    def entry(names: tuple[str, ...]) -> Any:
-        return None if not names else names[0] if len(names) == 1 else tuple(names)
-
-    spec = PartitionSpec(entry(axes))
-    spec3 = PartitionSpec(entry(axes), entry(sequence)) if sequence else spec
+    spec = PartitionSpec(spec_entry(axes))
+    spec3 = PartitionSpec(spec_entry(axes), spec_entry(sequence)) if sequence else spec
 
     def one(x: Any) -> Any:
         if _is_array(x) and np.ndim(x) >= 2 and np.shape(x)[0] == rows:
