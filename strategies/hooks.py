@@ -26,7 +26,14 @@ __all__ = ["PresetHooks"]
 
 
 class PresetHooks:
-    """The defaults of every layout policy and step hook (see the module docstring)."""
+    """The defaults of every layout policy and step hook (see the module docstring).
+
+    Examples:
+        >>> import strategies, numpy as np
+        >>> s = strategies.MirroredStrategy()   # inherits these defaults but its name
+        >>> s.variable_layout("w", np.ones((4, 4))).is_fully_replicated(), s.batch_layout(2).sharding_specs
+        (True, ('replica', 'unsharded'))
+    """
 
     name: str
     mesh: Mesh
