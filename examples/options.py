@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         "--devices",
         type=int,
         default=8,
-        help="simulated CPU devices when no accelerator is present",
+        help="simulated CPU devices when no accelerator is present, in all: under dtensor.launch "
+        "without --devices-per-process each of its N processes simulates devices / N",
     )
     p.add_argument(
         "--out",

@@ -3,7 +3,7 @@
     python examples/train.py                       # mirrored, 8 simulated CPU devices
     python examples/train.py --strategy fully_sharded
     python examples/train.py --list-strategies
-    python -m dtensor.launch -n 2 -- python examples/train.py --strategy multi_worker_mirrored
+    python -m dtensor.launch -n 2 -- python examples/train.py --strategy multi_worker_mirrored  # 2 x 4 devices
     python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py \
         --model-size 7b --batch-size 16 --seq-len 1024 --mixed-precision bf16 --remat
 
@@ -202,12 +202,27 @@ def model_flops(argv: list[str]) -> float | None:
 # ----------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu" if not _has_accelerator() else "")
     import jax
 
-    launched = "DTENSOR_COORDINATOR" in os.environ
-    if not launched:
+    from dtensor.runtime.platform import default_platforms
+
+    # CPU only on a machine without TPU/GPU device files (a TPU VM never trains on CPU by accident).
+    if (platforms := default_platforms()) is not None:
+        jax.config.update("jax_platforms", platforms)
+    if "DTENSOR_COORDINATOR" not in os.environ:
         jax.config.update("jax_num_cpu_devices", args.devices)
+    elif "DTENSOR_DEVICES_PER_PROCESS" not in os.environ:
+        # Under dtensor.launch without --devices-per-process: --devices is the job's, split evenly.
+        processes = int(os.environ.get("DTENSOR_NUM_PROCESSES", "1"))
+        if args.devices % processes:
+            print(
+                f"--devices {args.devices} does not divide over the {processes} processes "
+                f"dtensor.launch started; give a multiple of {processes}, or "
+                "dtensor.launch --devices-per-process N.",
+                file=sys.stderr,
+            )
+            return 2
+        jax.config.update("jax_num_cpu_devices", args.devices // processes)
 
     import dtensor
 
@@ -371,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if losses and jax.process_index() == 0:
         png = run_dir / "loss.png"
-        views.plot_losses(losses, png, f"{args.strategy}: char-level LM on 8 devices")
+        views.plot_losses(
+            losses, png, f"{args.strategy}: char-level LM on {jax.device_count()} devices"
+        )
         console.print(f"loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; curve in {png}")
     sample = views.generate(
         model,
@@ -388,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             "strategy": args.strategy,
             "devices": jax.device_count(),
             "processes": jax.process_count(),
+            "local_devices": jax.local_device_count(),
             "steps": args.steps,
             "resumed_from": start,
             "loss_first": losses[0][1] if losses else None,
@@ -409,13 +427,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.strategy}: {args.steps} steps on {jax.device_count()} devices, {loss}, {summary['seconds']:.1f} s"
             )
     return 0
-
-
-def _has_accelerator() -> bool:
-    # TPU VMs expose /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e, v5p, v6e); without one, JAX_PLATFORMS=cpu
-    # keeps libtpu from probing (and printing its TPU_WORKER_HOSTNAMES error) on a machine with no TPU.
-    tpu = any(Path("/dev").glob("accel[0-9]*")) or any(Path("/dev/vfio").glob("[0-9]*"))
-    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or Path("/dev/nvidia0").exists() or tpu
 
 
 if __name__ == "__main__":

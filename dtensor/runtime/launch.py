@@ -5,7 +5,8 @@
 Each process gets the environment of the launcher plus ``DTENSOR_COORDINATOR``
 (``127.0.0.1:<free port>``), ``DTENSOR_NUM_PROCESSES``, ``DTENSOR_PROCESS_ID``
 and, if asked, ``DTENSOR_DEVICES_PER_PROCESS``, which :func:`dtensor.initialize`
-reads; ``JAX_PLATFORMS=cpu`` unless already set. Their output is streamed
+reads; ``JAX_PLATFORMS=cpu`` if unset on a machine with no TPU or GPU device
+files (:func:`~dtensor.runtime.platform.default_platforms`). Their output is streamed
 with a ``[rank i]`` prefix on every line. The launcher's exit status is the
 first non-zero one of its processes (``128 + signal`` for a process killed by
 a signal, ``124`` on timeout), a cause preferred over the
@@ -53,6 +54,7 @@ from dtensor.runtime.cluster import (
 )
 from dtensor.runtime.exit_codes import EXIT_PEER_LOST, EXIT_TIMEOUT, describe
 from dtensor.runtime.peers import LAUNCHER_FILE
+from dtensor.runtime.platform import default_platforms
 
 __all__ = ["LaunchResult", "free_port", "launch", "main"]
 
@@ -237,7 +239,8 @@ def launch(
             Python).
         num_processes: how many processes to start.
         devices_per_process: CPU devices each process simulates (sets
-            ``DTENSOR_DEVICES_PER_PROCESS``, read by :func:`dtensor.initialize`).
+            ``DTENSOR_DEVICES_PER_PROCESS``, read by :func:`dtensor.initialize`;
+            ``None``: the script's own count, one unless it sets one).
         port: the coordinator's port on ``host`` (default: a free one).
         timeout_s: stop everything after this many seconds (exit status 124).
         env: extra environment variables for the processes (on top of this
@@ -285,7 +288,9 @@ def launch(
     port = free_port(host) if port is None else port
     base = dict(os.environ)
     base.update(env or {})
-    base.setdefault("JAX_PLATFORMS", "cpu")
+    platforms = default_platforms(base)
+    if platforms is not None:
+        base["JAX_PLATFORMS"] = platforms
     base["PYTHONUNBUFFERED"] = "1"
     base[ENV_COORDINATOR] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     base[ENV_NUM_PROCESSES] = str(num_processes)
@@ -418,7 +423,8 @@ def _note(out: IO[str], lock: threading.Lock, message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dtensor.launch",
-        description="Start N local processes of one JAX job (coordinator on 127.0.0.1).",
+        description="Start N local processes of one JAX job (coordinator on 127.0.0.1). "
+        "JAX_PLATFORMS is kept if set, else cpu on a machine with no TPU/GPU device files.",
     )
     p.add_argument(
         "--host",

@@ -1,0 +1,102 @@
+"""The commands the README and guides show do what their comments say.
+
+`python -m dtensor.launch -n 2 -- python examples/train.py ...  # 2 processes x 4 devices`
+(README, the multi-process guide, examples/train.py) and which platform the entry
+points select without `JAX_PLATFORMS` (the multi-process and ahead-of-time guides).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dtensor.runtime.platform as platform
+from dtensor.runtime.launch import launch
+from dtensor.runtime.platform import accelerator_device_files, default_platforms
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "guides" / "multi_process.md"]
+DOCUMENTED = (
+    "python -m dtensor.launch -n 2 -- python examples/train.py --strategy multi_worker_mirrored"
+)
+
+
+def test_the_documented_launch_command_is_the_one_tested():
+    for doc in DOCS:
+        lines = [line for line in doc.read_text().splitlines() if DOCUMENTED in line]
+        assert len(lines) == 1 and lines[0].rstrip().endswith("# 2 processes x 4 devices"), doc
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.timeout(420)
+def test_launch_without_devices_per_process_gives_2_processes_x_4_devices(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"}
+    env.pop("DTENSOR_DEVICES_PER_PROCESS", None)
+    extra = ["--steps", "1", "--json", "--save-every", "0", "--sample-chars", "1"]
+    cmd = [*DOCUMENTED.split()[:6], sys.executable, *DOCUMENTED.split()[7:]]
+    cmd = [sys.executable, *cmd[1:], "--out", str(tmp_path), "--fresh", *extra]
+    proc = subprocess.run(
+        ["timeout", "-k", "10", "400", *cmd],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=410,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = [line.split("] ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[rank")]
+    summary = json.loads(next(row for row in rows if row.startswith("{")))
+    assert summary["strategy"] == "multi_worker_mirrored"
+    assert (summary["processes"], summary["local_devices"], summary["devices"]) == (2, 4, 8)
+
+
+def test_train_refuses_devices_that_do_not_split_over_the_processes(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("DTENSOR_DEVICES_PER_PROCESS", None)
+    env.update(DTENSOR_COORDINATOR="127.0.0.1:1", DTENSOR_NUM_PROCESSES="3", DTENSOR_PROCESS_ID="0")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "--devices 8 does not divide over the 3 processes" in proc.stderr
+    assert "--devices-per-process" in proc.stderr
+
+
+def test_default_platforms_is_cpu_only_without_accelerator_device_files(tmp_path):
+    assert accelerator_device_files(tmp_path) == []
+    assert default_platforms({}, dev=tmp_path) == "cpu"
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").touch()  # the control file every Linux machine may have
+    assert default_platforms({}, dev=tmp_path) == "cpu"
+    for name in ("vfio/0", "accel0", "nvidia0"):
+        dev = tmp_path / name.replace("/", "_")
+        (dev / name).parent.mkdir(parents=True, exist_ok=True)
+        (dev / name).touch()
+        assert accelerator_device_files(dev) == [str(dev / name)]
+        assert default_platforms({}, dev=dev) is None, name  # JAX picks the TPU/GPU
+        assert default_platforms({"JAX_PLATFORMS": "cpu"}, dev=dev) == "cpu"  # the user's wins
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("files", [[], ["/dev/accel0"]], ids=["no-accelerator", "tpu-vm"])
+def test_launch_selects_cpu_only_without_accelerator_device_files(monkeypatch, files):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(platform, "accelerator_device_files", lambda dev="/dev": files)
+    code = "import os; print(os.environ.get('JAX_PLATFORMS'))"
+    result = launch([sys.executable, "-c", code], 2, timeout_s=30, out=io.StringIO())
+    assert result.returncode == 0, result.outputs
+    assert [out.strip() for out in result.outputs] == (["None"] * 2 if files else ["cpu"] * 2)
