@@ -1,6 +1,7 @@
 """Every preset's demo train step, compiled by the real TPU compiler for v5e:4x4 (no TPU needed).
 
     python -m benchmarks.tpu_presets [--topology v5e:4x4] [--num-slices 1] [--model-size small]
+    python -m benchmarks.tpu_presets --markdown    # the docs' table from the results file
 
 For each preset: the mesh, the TPU compiler's per-chip memory (and the fit
 against the chip's HBM), the step's communication per chip split into ICI and
@@ -11,6 +12,7 @@ DCN, its ratio to the minimum for the layouts, and the compile time. Writes
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,38 @@ def run(
     }
 
 
+def markdown(payload: dict[str, Any]) -> str:
+    """The results' rows as the Markdown table of the presets guide, per chip.
+
+    Presets whose cells are all equal share a row (``mirrored, central_storage, tpu``).
+    """
+
+    def mib(n: float | None) -> str:
+        return "—" if n is None else "0" if not n else f"{n / 2**20:.2f} MiB"
+
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for r in payload["rows"]:
+        if not r.get("fits", True) or "mesh" not in r:
+            cells = ("—", "does not fit", "—", "—", "—", "—")
+        else:
+            comm, least = r["comm_bytes_per_chip"], r["min_comm_bytes_per_chip"]
+            cells = (
+                f"`{r['mesh']}`",
+                mib(r["peak_bytes_per_chip"]),
+                mib(r["state_bytes_per_chip"]),
+                mib(comm),
+                mib(least),
+                f"{comm / least:.2f}" if least else "—",
+            )
+        groups.setdefault(cells, []).append(r["strategy"])
+    out = [
+        "| preset | mesh | peak memory | variables | communication | minimum | comm / min |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    out += [f"| {', '.join(names)} | {' | '.join(cells)} |" for cells, names in groups.items()]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default="v5e:4x4")
@@ -75,7 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="results folder (default benchmarks/results)"
     )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the results file's table as Markdown (compiles nothing)",
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(((args.out or common.RESULTS) / "tpu_presets.json").read_text())))
+        return
     common.ensure_devices()
     payload = run(args.topology, args.num_slices, args.model_size, args.batch_size)
     path = common.write_json("tpu_presets", payload, args.out)
