@@ -80,7 +80,8 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
         lambda name, *a: None if name == "jax_plugins.xla_cuda12" else real(name, *a),
     )
     with pytest.raises(
-        RuntimeError, match=r"needs JAX's CUDA plugin .* pip install 'jax-dtensor\[gpu-aot\]'"
+        RuntimeError,
+        match=r"needs JAX's CUDA plugin .* pip install -e '\.\[gpu-aot\]' in this project",
     ):
         dtensor.gpu_topology("h100:3x8")  # a size not cached yet
 

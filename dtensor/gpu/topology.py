@@ -1,7 +1,7 @@
 """NVIDIA GPU topologies without a GPU: real device objects for ahead-of-time compiles.
 
 XLA's GPU compiler needs no GPU to compile. With JAX's CUDA plugin installed
-(``pip install 'jax-dtensor[gpu-aot]'``, i.e. ``jax[cuda12]``), the plugin
+(``pip install -e '.[gpu-aot]'`` in a checkout, i.e. ``jax[cuda12]``), the plugin
 describes any number of hosts of any GPU model from a *target config*: an XLA
 ``GpuTargetConfig`` text proto naming the GPU's hardware (SM count, shared
 memory, registers, clock, memory size and bandwidth, compute capability) and
@@ -41,8 +41,8 @@ GPU_MODELS = tuple(GPUS)
 
 _SKIP = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 _INSTALL = (
-    "pip install 'jax-dtensor[gpu-aot]' (or pip install 'jax[cuda12]==<your jax version>'; "
-    "about 5.5 GB of CUDA wheels)"
+    "pip install -e '.[gpu-aot]' in this project (or "
+    "pip install 'jax[cuda12]==<your jax version>'; about 5.5 GB of CUDA wheels)"
 )
 # When the CUDA wheels' versions cannot be read (a system CUDA): what jax[cuda12] 0.10 ships.
 _FALLBACK_CUDA = (12, 9)
