@@ -1,5 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The interpreter .venv is created from (the oldest end of the range is Python 3.11).
+PYTHON ?= python3
 export JAX_PLATFORMS ?= cpu
 
 .PHONY: install test test-latest lint demo bench docs docs-notebooks clean
@@ -11,7 +13,7 @@ LATEST_PY ?= $(shell .ci/newest-python)
 NEWEST := jax jaxlib flax optax orbax-checkpoint
 
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
@@ -19,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
+	@$(PY) -c "import sys, jax; print('make test:', sys.executable, 'Python', sys.version.split()[0], 'jax', jax.__version__)"
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 $(VENV_LATEST)/.installed: pyproject.toml
@@ -33,6 +36,7 @@ test-latest: $(VENV_LATEST)/.installed
 	@$(VENV_LATEST)/bin/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as o; \
 	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
 	        'flax', flax.__version__, 'optax', optax.__version__)"
+	$(VENV_LATEST)/bin/python .ci/check_newest.py $(NEWEST)
 	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: install

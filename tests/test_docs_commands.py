@@ -100,3 +100,48 @@ def test_launch_selects_cpu_only_without_accelerator_device_files(monkeypatch, f
     result = launch([sys.executable, "-c", code], 2, timeout_s=30, out=io.StringIO())
     assert result.returncode == 0, result.outputs
     assert [out.strip() for out in result.outputs] == (["None"] * 2 if files else ["cpu"] * 2)
+
+
+def _check_newest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_newest", ROOT / ".ci" / "check_newest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_test_latest_fails_loudly_when_a_release_is_not_the_newest(monkeypatch, capsys):
+    check = _check_newest()
+    listing = {"jax": "0.12.0.1, 0.12.0, 0.11.0", "optax": "0.2.9, 0.2.8"}
+    installed = {"jax": "0.12.0.1", "optax": "0.2.8"}
+
+    def version(name):
+        if name not in installed:
+            raise check.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(check, "version", version)
+
+    def pip_index(cmd, **kw):
+        name = cmd[-1]
+        out = f"{name} (x)\nAvailable versions: {listing[name]}\n" if name in listing else ""
+        return subprocess.CompletedProcess(cmd, 0 if out else 1, out, "")
+
+    monkeypatch.setattr(check.subprocess, "run", pip_index)
+    assert check.main(["jax", "optax"]) == 1
+    err = capsys.readouterr().err
+    assert "NOT the newest releases" in err
+    assert "optax 0.2.8 is installed, but the newest release is 0.2.9" in err
+    assert "jax" not in err.split("NOT the newest releases:")[1].split("Rebuild")[0]
+    listing["optax"] = "0.2.8, 0.2.7"
+    assert check.main(["jax", "optax"]) == 0
+    assert "the newest releases: jax 0.12.0.1, optax 0.2.8" in capsys.readouterr().out
+    assert check.main(["jax", "nothing-on-the-index"]) == 1  # a name the index lacks fails too
+    assert "nothing-on-the-index: the index lists no release" in capsys.readouterr().err
+
+
+def test_makefile_runs_the_newest_check_before_the_latest_suite():
+    recipe = (ROOT / "Makefile").read_text().split("\ntest-latest:")[1].split("\n\n")[0]
+    check = recipe.index(".ci/check_newest.py $(NEWEST)")
+    assert check < recipe.index("-m pytest")

@@ -86,3 +86,18 @@ def test_maxtext_side_by_side_is_fsdp_scale_json(capsys, doc):
 def test_readme_tpu_fsdp_table_is_fsdp_scale_json(capsys):
     table = _printed(capsys, fsdp_scale.main, ["--markdown", "v5e:4x4"])
     _assert_shown("README.md", table)
+
+
+def test_the_libtpu_of_each_tpu_result_is_the_one_the_readme_names():
+    """README: every TPU figure from libtpu 0.0.42.1 (jax 0.10.2) but the row marked 0.0.52."""
+    readme = (ROOT / "README.md").read_text()
+    assert "compiled by libtpu 0.0.42.1 under jax 0.10.2" in readme
+    for name in ("fsdp_scale", "tpu_presets", "fit_gemma3_12b_v5e"):
+        payload = json.loads((RESULTS / f"{name}.json").read_text())
+        env = payload.get("environment") or {}
+        assert env.get("jax") in (None, "0.10.2"), name
+        for r in payload.get("rows", []):
+            marked = "(libtpu 0.0.52)" in str(r.get("option", ""))
+            assert r.get("libtpu", "0.0.52" if marked else "0.0.42.1") == (
+                "0.0.52" if marked else "0.0.42.1"
+            ), (name, r.get("option"))
