@@ -101,3 +101,25 @@ def test_the_libtpu_of_each_tpu_result_is_the_one_the_readme_names():
             assert r.get("libtpu", "0.0.52" if marked else "0.0.42.1") == (
                 "0.0.52" if marked else "0.0.42.1"
             ), (name, r.get("option"))
+
+
+def test_readme_figures_of_the_cpu_rows_and_verification_are_the_results():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    rows = json.loads((RESULTS / "fsdp_scale.json").read_text())["rows"]
+    cpu = {r["option"]: r["comm_ratio"] for r in rows if r["topology"] == "cpu"}
+    f32 = {f"{v:.2f}" for k, v in cpu.items() if "bf16" not in k}
+    bf16 = {f"{v:.2f}" for k, v in cpu.items() if "bf16" in k}
+    assert len(f32) == len(bf16) == 1 and min(cpu.values()) >= 1
+    assert f"comm/min {f32.pop()} for the float32 options and {bf16.pop()} for the" in readme
+    v = json.loads((RESULTS / "checkpoint_verify.json").read_text())
+    assert v["target_overhead_pct"] == 10
+    assert (
+        f"takes {v['verification_step_pct_of_restore']:.1f}% of a 1 GiB restore's wall time "
+        f"here and {v['verification_step_cpu_pct_of_restore']:.1f}% of its CPU time" in readme
+    )
+    assert f"took {v['overhead_pct']:.1f}% longer" in readme
+    assert f"({v['cpu_overhead_pct']:.1f}% in CPU time)" in readme
+    assert (
+        f"load average {v['load_average_1min']:.0f} on {v['environment']['cpu_count']} CPUs"
+        in readme
+    )
