@@ -155,7 +155,7 @@ def preemption_sync_manager() -> Any | None:
     return getattr(state, "preemption_sync_manager", None)
 
 
-def distributed_timeouts(**timeouts: int) -> dict[str, int]:
+def distributed_timeouts(**timeouts: int) -> dict[str, Any]:
     """The timeout keyword arguments of ``jax.distributed.initialize``, among ``timeouts``, this JAX takes.
 
     Not private, but version-specific: ``heartbeat_timeout_seconds`` and

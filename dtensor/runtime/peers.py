@@ -14,7 +14,11 @@ status into ``DTENSOR_LAUNCH_STATUS_DIR`` (so "killed by SIGKILL" can be told
 from "stopped responding"), and a ``launcher`` file when it stops the job.
 
 A process that loses a peer prints one line naming it and what happened, and
-exits with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`. Process 0
+exits with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` within
+:attr:`PeerMonitor.bound_s` (the heartbeat timeout + 10 s) of the loss: the
+exit is armed as a kernel timer (:func:`dtensor.runtime.watchdog.exit_after`)
+before anything that could block, and JAX's own heartbeat verdict is set
+later than the monitor's (:func:`~dtensor.runtime.watchdog.jax_heartbeat_timeout`). Process 0
 lingers a moment first (its exit takes the store with it), so the others read
 the record and name the real cause rather than "lost the coordinator". When
 the coordinator itself dies, JAX's C++ client aborts the survivors
