@@ -23,6 +23,7 @@ __all__ = [
     "coordinator_address",
     "detected_cluster",
     "distributed_client",
+    "distributed_timeouts",
     "preemption_sync_manager",
 ]
 
@@ -152,3 +153,34 @@ def preemption_sync_manager() -> Any | None:
         return None
     state = getattr(distributed, "global_state", None)
     return getattr(state, "preemption_sync_manager", None)
+
+
+def distributed_timeouts(**timeouts: int) -> dict[str, Any]:
+    """The timeout keyword arguments of ``jax.distributed.initialize``, among ``timeouts``, this JAX takes.
+
+    Not private, but version-specific: ``heartbeat_timeout_seconds`` and
+    ``shutdown_timeout_seconds`` are in JAX 0.10's signature; a name this
+    JAX's signature lacks is left out (with a warning saying JAX's own default
+    applies instead, e.g. a 100 s heartbeat: then dtensor's peer monitor still
+    decides first, as it must).
+
+    Examples:
+        >>> from dtensor.compat import distributed_timeouts
+        >>> distributed_timeouts(heartbeat_timeout_seconds=80)
+        {'heartbeat_timeout_seconds': 80}
+    """
+    import inspect
+    import warnings
+
+    try:
+        accepted = set(inspect.signature(jax.distributed.initialize).parameters)
+    except (TypeError, ValueError):  # no signature to read: pass what JAX 0.10 takes
+        return dict(timeouts)
+    dropped = sorted(set(timeouts) - accepted)
+    if dropped:
+        warnings.warn(
+            f"jax.distributed.initialize in JAX {jax.__version__} takes no {', '.join(dropped)}; "
+            "JAX's own default applies for it instead.",
+            stacklevel=2,
+        )
+    return {k: v for k, v in timeouts.items() if k in accepted}

@@ -24,7 +24,9 @@ N     (the program's own)            ``sys.exit(N)``; other processes report it
 128+N (signal N)                     :mod:`dtensor.launch`'s report of a process
                                      killed by signal N (137: SIGKILL)
 143   :data:`EXIT_PREEMPTED`         ``PreemptionCheckpointHandler`` saved at a
-                                     preemption notice (SIGTERM): restart me
+                                     preemption notice (SIGTERM), or SIGTERM's
+                                     grace period ran out
+                                     (``DTENSOR_SIGTERM_GRACE_S``): restart me
 ====  =============================  ===========================================
 
 75 is ``EX_TEMPFAIL`` from BSD's ``sysexits.h`` ("a temporary failure; retry"),

@@ -14,7 +14,11 @@ status into ``DTENSOR_LAUNCH_STATUS_DIR`` (so "killed by SIGKILL" can be told
 from "stopped responding"), and a ``launcher`` file when it stops the job.
 
 A process that loses a peer prints one line naming it and what happened, and
-exits with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`. Process 0
+exits with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` within
+:attr:`PeerMonitor.bound_s` (the heartbeat timeout + 10 s) of the loss: the
+exit is armed as a kernel timer (:func:`dtensor.runtime.watchdog.exit_after`)
+before anything that could block, and JAX's own heartbeat verdict is set
+later than the monitor's (:func:`~dtensor.runtime.watchdog.jax_heartbeat_timeout`). Process 0
 lingers a moment first (its exit takes the store with it), so the others read
 the record and name the real cause rather than "lost the coordinator". When
 the coordinator itself dies, JAX's C++ client aborts the survivors
@@ -40,6 +44,7 @@ from typing import Any
 
 import jax
 
+from dtensor.runtime import watchdog
 from dtensor.runtime.cluster import ENV_STATUS_DIR
 from dtensor.runtime.exit_codes import (
     EXIT_PEER_LOST,
@@ -57,6 +62,8 @@ LAUNCHER_FILE = "launcher"
 """The file in the launcher's status directory that says why it stopped the job."""
 
 _dying = threading.Lock()
+_FLUSH_S = 3.0
+"""How long a process that decided to end may spend flushing its output before the forced exit."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,21 +76,29 @@ class Loss:
     coordinator: bool = False
 
 
-def _claim() -> None:
-    """Become the one thread that ends this process; any other waits here until it has."""
+def _claim(code: int, within_s: float) -> None:
+    """Become the one thread that ends this process, within ``within_s`` seconds with ``code``.
+
+    The end is armed first, as a kernel timer (:func:`watchdog.exit_after`),
+    so it comes even if this thread then blocks (an RPC to a store that is
+    going away, a stream lock). Any other thread that tries to end the process
+    too waits here for that end.
+    """
     if not _dying.acquire(blocking=False):
         while True:
             time.sleep(60)
+    watchdog.exit_after(within_s, code)
 
 
 def die(message: str, code: int = EXIT_PEER_LOST, *, claimed: bool = False) -> None:
     """Print ``message`` as one line on stderr and end this process now (no atexit, no barrier)."""
     if not claimed:
-        _claim()
+        _claim(code, _FLUSH_S)
     try:
-        sys.stdout.flush()
-        sys.stderr.write(" ".join(message.split()) + "\n")
-        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        watchdog.write_line(message)
     finally:
         os._exit(code)
 
@@ -247,15 +262,7 @@ class PeerMonitor:
                 f"{store_down.strip().splitlines()[0] if store_down.strip() else 'no answer'})",
                 coordinator=True,
             )
-        stale = [
-            i
-            for i, (value, when) in sorted(self._seen.items())
-            if i != self.me
-            and i not in self.tolerate
-            and value != _DONE
-            and i not in self.done
-            and now - when > self.timeout
-        ]
+        stale = sorted(self.stale() - self.tolerate)
         if stale:
             return Loss(
                 stale[0],
@@ -295,9 +302,11 @@ class PeerMonitor:
 
     def lose(self, loss: Loss, *, store_ok: bool = True) -> None:
         """Report ``loss`` in one line and end this process (75, or 124 if the launcher stopped it)."""
-        _claim()
         code = EXIT_TIMEOUT if loss.process is None else EXIT_PEER_LOST
-        message = lost_message(self.me, self.n, loss, self.address, self.names)
+        _claim(code, self.linger_s + _FLUSH_S)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        watchdog.write_line(lost_message(self.me, self.n, loss, self.address, self.names))
         if store_ok:
             if loss.process is None:
                 self.record(code, "was stopped by dtensor.launch")
@@ -305,8 +314,8 @@ class PeerMonitor:
                 self.record(
                     code, f"lost process {loss.process}", root=loss.process, root_what=loss.what
                 )
-            self.linger()
-        die(message, code, claimed=True)
+            self.linger(lost={loss.process} | self.stale())
+        os._exit(code)
 
     def record(self, status: int, what: str, **extra: Any) -> None:
         """Write this process's exit record (best effort: the store may be gone)."""
@@ -314,23 +323,46 @@ class PeerMonitor:
         with contextlib.suppress(Exception):
             self.client.key_value_set(f"{_EXIT}{self.me}", value, allow_overwrite=True)
 
-    def linger(self, limit: float | None = None) -> None:
-        """Process 0 only: keep the store up until every other process ended or wrote its record."""
+    @property
+    def linger_s(self) -> float:
+        """The longest :meth:`linger` waits."""
+        return 3 * self.period + 2
+
+    @property
+    def bound_s(self) -> float:
+        """The documented bound: a killed peer is named and this process ends within it."""
+        return self.timeout + 10
+
+    def stale(self) -> set[int]:
+        """The processes silent for longer than the timeout (as last read)."""
+        now = time.monotonic()
+        return {
+            i
+            for i, (value, when) in self._seen.items()
+            if i != self.me and value != _DONE and i not in self.done and now - when > self.timeout
+        }
+
+    def linger(self, limit: float | None = None, *, lost: set[int | None] | None = None) -> None:
+        """Process 0 only: keep the store up until every other process ended or wrote its record.
+
+        ``lost``: processes known gone (the lost peer itself): nobody waits for them.
+        """
         if self.me != 0 or self.n < 2:
             return
-        deadline = time.monotonic() + (3 * self.period + 2 if limit is None else limit)
+        deadline = time.monotonic() + (self.linger_s if limit is None else limit)
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 self._poll_store()
             statuses, _ = self._launcher_statuses()
             gone = set(self.exits) | set(statuses) | self.done | {self.me} | self._gone_tolerated()
+            gone |= {i for i in lost or () if i is not None}
             if len(gone) >= self.n:
                 return
             time.sleep(min(0.2, self.period))
 
     def leave(self, status: int, what: str) -> None:
         """End this process with ``status`` now, telling the others why (skips JAX's shutdown barrier)."""
-        _claim()
+        _claim(status, self.linger_s + _FLUSH_S)
         self.stop.set()
         self.record(status, what)
         self.linger()

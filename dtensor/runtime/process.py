@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from dtensor import compat
-from dtensor.runtime import peers
+from dtensor.runtime import peers, watchdog
 
 __all__ = ["barrier", "client_id", "initialize", "is_initialized", "num_clients", "shutdown"]
 
@@ -134,7 +134,7 @@ def initialize(
     *,
     local_device_count: int | None = None,
     timeout_s: float = 60,
-    heartbeat_timeout_s: float = 15,
+    heartbeat_timeout_s: float | None = None,
     shutdown_timeout_s: float = 120,
     summary: bool = True,
     tolerate: Sequence[int] = (),
@@ -166,11 +166,18 @@ def initialize(
             join before failing.
         heartbeat_timeout_s: how long a silent process (killed, hung) may go
             before the others declare it lost and exit with
-            :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` (with the default, a killed process is
-            named within about 20 s; under :mod:`dtensor.launch`, which
-            reports its status, within about a second). A process that ends
-            with a non-zero ``sys.exit(N)`` or an uncaught exception, and the
-            coordinator's death, are noticed at once (about a second).
+            :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`: each survivor
+            names it and has ended within ``heartbeat_timeout_s + 10`` s
+            (under :mod:`dtensor.launch`, which reports its status, within
+            about a second). Default ``$DTENSOR_HEARTBEAT_TIMEOUT_S``, else
+            15 (every process of a job should use the same). A process that
+            ends with a non-zero ``sys.exit(N)`` or an uncaught exception,
+            and the coordinator's death, are noticed at once (about a
+            second). JAX's own heartbeat limit is set well beyond this
+            (:func:`dtensor.runtime.watchdog.jax_heartbeat_timeout`), so the
+            named verdict always comes first; after SIGTERM the process ends
+            within ``$DTENSOR_SIGTERM_GRACE_S`` (default 60 s) with status
+            143 (:mod:`dtensor.runtime.watchdog`).
         shutdown_timeout_s: how long a finished process waits at exit for
             the others to finish too (JAX's shutdown barrier); it stops
             waiting, with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`, as soon as one of them is
@@ -199,6 +206,8 @@ def initialize(
     """
     with _lock:
         spec = resolve_cluster(coordinator_address, num_processes, process_id)
+        heartbeat_timeout_s = watchdog.heartbeat_timeout(heartbeat_timeout_s)
+        grace_s = watchdog.sigterm_grace()
         env_count = os.environ.get(ENV_DEVICES_PER_PROCESS)
         if local_device_count is None and env_count and spec is not None:
             if spec.source == LAUNCHER_SOURCE:
@@ -235,6 +244,7 @@ def initialize(
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
         )
+        watchdog.guard_sigterm(f"process {spec.process_id} of {spec.num_processes}", grace_s)
         if _state.monitor is not None:  # before any loss can matter: no step has run yet
             _state.monitor.tolerate, _state.monitor.names = frozenset(tolerate), dict(names or {})
         _state.initialized, _state.spec = True, spec
@@ -326,9 +336,11 @@ def _connect(
             spec.coordinator_address,
             spec.num_processes,
             spec.process_id,
-            initialization_timeout=int(timeout_s) + 10,
-            heartbeat_timeout_seconds=int(heartbeat_timeout_s) + 10,
-            shutdown_timeout_seconds=int(shutdown_timeout_s),
+            **compat.distributed_timeouts(
+                initialization_timeout=int(timeout_s) + 10,
+                heartbeat_timeout_seconds=watchdog.jax_heartbeat_timeout(heartbeat_timeout_s),
+                shutdown_timeout_seconds=int(shutdown_timeout_s),
+            ),
         )
     except Exception as e:
         joined.set()

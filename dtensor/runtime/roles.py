@@ -204,7 +204,7 @@ def join_cluster(
     num_ps: int | None = None,
     num_workers: int | None = None,
     local_device_count: int | None = None,
-    heartbeat_timeout_s: float = 15,
+    heartbeat_timeout_s: float | None = None,
     timeout_s: float = 60,
 ) -> TaskRole:
     """Find this process's role (see the module docstring) and join the job.

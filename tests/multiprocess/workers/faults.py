@@ -1,5 +1,7 @@
 """Worker for failure tests: ``faults.py SCENARIO HEARTBEAT_S [ADDRESS NUM_PROCESSES ID]``.
 
+``HEARTBEAT_S`` ``env`` leaves the heartbeat timeout to ``$DTENSOR_HEARTBEAT_TIMEOUT_S``.
+
 Under dtensor.launch the job comes from the launcher's variables; with the
 last three arguments it is joined as separate hosts would (no launcher).
 The scenarios:
@@ -10,7 +12,7 @@ The scenarios:
 - ``exit3``: process 1 ends with ``sys.exit(3)`` after the first steps.
 - ``clean``: every process runs a few steps and ends normally, process 0 a
   few seconds after the others.
-- ``loop``: every process runs steps until it is stopped.
+- ``loop``: every process runs steps until it is stopped (it prints its pid).
 - ``kill_coordinator``: process 0 (which runs the coordination service)
   SIGKILLs itself mid-run.
 - ``wrong_address``: join a coordinator where nothing listens (as process 1).
@@ -62,11 +64,12 @@ def main() -> None:
         dtensor.initialize(f"127.0.0.1:{closed_port()}", 2, 0, timeout_s=3)
         sys.exit("initialize did not fail")
 
+    heartbeat = None if sys.argv[2] == "env" else float(sys.argv[2])
     if len(sys.argv) > 3:  # as on separate hosts: no launcher
         address, n, pid = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-        dtensor.initialize(address, n, pid, heartbeat_timeout_s=float(sys.argv[2]), timeout_s=60)
+        dtensor.initialize(address, n, pid, heartbeat_timeout_s=heartbeat, timeout_s=60)
     else:
-        dtensor.initialize(heartbeat_timeout_s=float(sys.argv[2]), timeout_s=60)
+        dtensor.initialize(heartbeat_timeout_s=heartbeat, timeout_s=60)
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -91,7 +94,7 @@ def main() -> None:
             sys.exit(0)  # an explicit 0 is a normal end too
         return
     if scenario == "loop":
-        print(f"process {me} looping", flush=True)
+        print(f"process {me} looping pid {os.getpid()}", flush=True)
     for i in range(100_000):
         if scenario == "exit3" and me == 1 and i == 3:
             print("process 1 going away", flush=True)
