@@ -17,6 +17,7 @@ from dtensor import Layout, LayoutMap
 from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
 from strategies.placement.sharding import nbytes, shard_largest_dim
+from strategies.placement.slices import slice_mesh
 from strategies.reads.mixed_precision import MixedPrecision
 from strategies.reads.param_reads import ReadOptions
 from strategies.reads.swaps import check_remat
@@ -152,10 +153,11 @@ class HybridStrategy(Strategy):
         remat: Sequence[type] | None = None,
         remat_policy: Any = None,
         gather_at_read: bool | None = None,
+        across_slices: str | None = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
-        mesh = dtensor.create_mesh(
-            [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices=devices
+        mesh, self.across_slices = slice_mesh(
+            [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices, across_slices
         )
         if gather_at_read is None:  # by the compiler of the platform the step runs on
             gather_at_read = devices[0].platform == "cpu" and mesh.shape["tensor"] == 1
