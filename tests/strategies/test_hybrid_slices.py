@@ -184,3 +184,27 @@ def test_cpu_run_with_across_slices_matches_single_device(model_name):
     got = dict(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)))
     for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
         assert rel_err(got[path], want) <= TOL, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize(
+    ("flag", "mesh", "across"),
+    [
+        (["--across-slices", "data"], {"data": 2, "fsdp": 4, "tensor": 1}, "data"),
+        (["--across-slices", "fsdp"], {"data": 1, "fsdp": 8, "tensor": 1}, "fsdp"),
+        (["--tensor", "2", "--across-slices", "data"], {"data": 2, "fsdp": 2, "tensor": 2}, "data"),
+    ],
+)
+def test_train_py_across_slices_flag(two_slices, flag, mesh, across):
+    from examples import options
+
+    args = options.parse_args(["--strategy", "hybrid", *flag])
+    strategy, _, applied = options.build_strategy(args, two_slices)
+    assert strategy.mesh.shape == mesh and strategy.across_slices == across
+    assert applied["across_slices"] == "strategy"
+    # On CPU devices (one "slice") the same flag leaves fsdp over every device.
+    strategy, _, _ = options.build_strategy(args, jax.devices())
+    assert strategy.mesh.shape == {**mesh, "data": 1, "fsdp": 8 // mesh["tensor"]}
+    assert strategy.across_slices is None
+    # A preset without the option says so.
+    args = options.parse_args(["--strategy", "fully_sharded", *flag])
+    assert options.build_strategy(args, two_slices)[2]["across_slices"] == "not available"
