@@ -47,6 +47,7 @@ from .fsdp_tables import (
     markdown,
     results_name,
     side_by_side,
+    slices_table,
     split_slices,
 )
 
@@ -371,17 +372,16 @@ def main(argv: list[str] | None = None) -> None:
         "--markdown",
         metavar="TOPOLOGY",
         help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing; "
-        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText)",
+        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText; "
+        "'slices': the rows on several slices, with what crosses DCN)",
     )
     args = p.parse_args(argv)
     if args.markdown:
-        name = "fsdp_scale" if args.markdown == "maxtext" else results_name([args.markdown])
+        mine = {"maxtext": side_by_side, "slices": slices_table}
+        name = "fsdp_scale" if args.markdown in mine else results_name([args.markdown])
         payload = json.loads(((args.out or common.RESULTS) / f"{name}.json").read_text())
-        print(
-            side_by_side(payload)
-            if args.markdown == "maxtext"
-            else markdown(payload, args.markdown)
-        )
+        printer = mine.get(args.markdown)
+        print(printer(payload) if printer else markdown(payload, args.markdown))
         return
     if args.row:
         common.ensure_devices()

@@ -181,6 +181,32 @@ def side_by_side(payload: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def slices_table(payload: dict[str, Any]) -> str:
+    """The rows on several slices (``"2 x v5p:4x4x2"``): peak, what crosses DCN, the floor's terms."""
+    gib = float(1 << 30)
+    out = [
+        "| model | topology | ours: options | mesh | peak per chip | vs MaxText | over DCN per "
+        "step | over ICI per step | step-time floor: compute / ICI / DCN | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        if split_slices(r["topology"])[1] == 1 or not r.get("peak_bytes_per_chip"):
+            continue
+        ref = MAXTEXT_GIB.get((r["size"], r["topology"]))
+        peak = r["peak_bytes_per_chip"] / gib
+        dcn = ", ".join(f"{k} {v / gib:.2f}" for k, v in r.get("dcn_by_kind", {}).items())
+        f = r["step_floor"]
+        out.append(
+            f"| {r['size']} | {r['topology']} | {OPTION_TEXT.get(r['option'], r['option'])} "
+            f"| `{r['mesh']}` | {peak:.2f} GiB | {f'{peak / ref:.2f}x' if ref else '—'} "
+            f"| {r['dcn_bytes_per_device'] / gib:.2f} GiB ({dcn}) "
+            f"| {r['ici_bytes_per_device'] / gib:.1f} GiB "
+            f"| {f['compute_seconds'] * 1e3:.0f} / {f['ici_seconds'] * 1e3:.0f} / "
+            f"{f['dcn_seconds'] * 1e3:.0f} ms | {f['bound']} |"
+        )
+    return "\n".join(out)
+
+
 def _ratio(row: dict[str, Any]) -> str:
     """comm / min, or against ZeRO's reference for rows measured before the lower bound."""
     if row.get("comm_ratio") is not None:

@@ -192,6 +192,7 @@ def test_cpu_run_with_across_slices_matches_single_device(model_name):
         (["--across-slices", "data"], {"data": 2, "fsdp": 4, "tensor": 1}, "data"),
         (["--across-slices", "fsdp"], {"data": 1, "fsdp": 8, "tensor": 1}, "fsdp"),
         (["--tensor", "2", "--across-slices", "data"], {"data": 2, "fsdp": 2, "tensor": 2}, "data"),
+        (["--tensor", "2"], {"data": 2, "fsdp": 2, "tensor": 2}, "data"),  # the default
     ],
 )
 def test_train_py_across_slices_flag(two_slices, flag, mesh, across):
@@ -200,11 +201,29 @@ def test_train_py_across_slices_flag(two_slices, flag, mesh, across):
     args = options.parse_args(["--strategy", "hybrid", *flag])
     strategy, _, applied = options.build_strategy(args, two_slices)
     assert strategy.mesh.shape == mesh and strategy.across_slices == across
-    assert applied["across_slices"] == "strategy"
+    assert applied.get("across_slices") == ("strategy" if "--across-slices" in flag else None)
     # On CPU devices (one "slice") the same flag leaves fsdp over every device.
     strategy, _, _ = options.build_strategy(args, jax.devices())
     assert strategy.mesh.shape == {**mesh, "data": 1, "fsdp": 8 // mesh["tensor"]}
     assert strategy.across_slices is None
     # A preset without the option says so.
     args = options.parse_args(["--strategy", "fully_sharded", *flag])
-    assert options.build_strategy(args, two_slices)[2]["across_slices"] == "not available"
+    applied = options.build_strategy(args, two_slices)[2]
+    assert applied.get("across_slices") == ("not available" if "--across-slices" in flag else None)
+
+
+def test_guide_across_slices_table_is_the_results_table(capsys):
+    """The large-models guide's "Across slices" figures are fsdp_scale --markdown slices'."""
+    from pathlib import Path
+
+    from benchmarks import fsdp_scale
+
+    fsdp_scale.main(["--markdown", "slices"])
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + 2, table  # data and fsdp across the 2 slices
+    assert {"`Mesh(data=2, fsdp=32, tensor=1)`", "`Mesh(data=1, fsdp=64, tensor=1)`"} <= {
+        cell.strip() for line in table[2:] for cell in line.split("|")
+    }
+    guide = Path(__file__).resolve().parents[2] / "docs" / "guides" / "large_models.md"
+    lines = guide.read_text().splitlines()
+    assert not [line for line in table if line not in lines]
