@@ -47,6 +47,8 @@ from .fsdp_tables import (
     markdown,
     results_name,
     side_by_side,
+    slices_table,
+    split_slices,
 )
 
 __all__ = [
@@ -94,6 +96,19 @@ OPTIONS: dict[str, list[str]] = {
         ]
         for t in (2, 4, 8)
     },
+    **{
+        f"hybrid across {a} + bf16 + remat + scan": [
+            "--strategy",
+            "hybrid",
+            "--across-slices",
+            a,
+            "--mixed-precision",
+            "bf16",
+            "--remat",
+            "--scan",
+        ]
+        for a in ("data", "fsdp")
+    },
 }
 
 #: options compiled with another default matmul precision. "f32 highest" is the float32
@@ -125,7 +140,8 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
             strategy, step, args = module.aot_step(argv, devices=jax.devices()[:8])
             report = strategy.explain(step, args=tuple(args))
         else:
-            report = aot.compile_script(module, argv, topology=topology).report
+            name, slices = split_slices(topology)
+            report = aot.compile_script(module, argv, topology=name, num_slices=slices).report
     except WillNotFitError as err:
         row.update(
             fits=False,
@@ -155,6 +171,9 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
         comm_ratio=report.to_dict()["comm_ratio"],
         all_gather_bytes_per_device=kinds.get("all-gather", 0.0),
         comm_by_kind=kinds,
+        ici_bytes_per_device=report.ici_bytes_per_device,
+        dcn_bytes_per_device=report.dcn_bytes_per_device,
+        dcn_by_kind=_by_kind(c for c in report.collectives if c.network == "dcn"),
         all_gather_dtypes=sorted({c.dtype for c in report.collectives if c.kind == "all-gather"}),
         reduce_bytes_by_dtype=_reduce_bytes_by_dtype(report.collectives),
         min_comm_references=report.min_comm_references,
@@ -176,6 +195,14 @@ def _libtpu() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def _by_kind(collectives: Any) -> dict[str, float]:
+    """Bytes per device by collective kind."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes_per_device
+    return dict(sorted(out.items()))
 
 
 def _reduce_bytes_by_dtype(collectives: Any) -> dict[str, float]:
@@ -345,17 +372,16 @@ def main(argv: list[str] | None = None) -> None:
         "--markdown",
         metavar="TOPOLOGY",
         help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing; "
-        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText)",
+        "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText; "
+        "'slices': the rows on several slices, with what crosses DCN)",
     )
     args = p.parse_args(argv)
     if args.markdown:
-        name = "fsdp_scale" if args.markdown == "maxtext" else results_name([args.markdown])
+        mine = {"maxtext": side_by_side, "slices": slices_table}
+        name = "fsdp_scale" if args.markdown in mine else results_name([args.markdown])
         payload = json.loads(((args.out or common.RESULTS) / f"{name}.json").read_text())
-        print(
-            side_by_side(payload)
-            if args.markdown == "maxtext"
-            else markdown(payload, args.markdown)
-        )
+        printer = mine.get(args.markdown)
+        print(printer(payload) if printer else markdown(payload, args.markdown))
         return
     if args.row:
         common.ensure_devices()

@@ -17,6 +17,8 @@ MAXTEXT_GIB: dict[tuple[str, str], float] = {
     ("7b", "v5e:4x4"): 10.65,
     ("gemma3-12b", "v5e:4x4"): 14.30,
     ("llama2-70b", "v5p:4x4x4"): 21.16,
+    # 2 slices of v5p-64 (data over DCN, fsdp 32 within each): issue 30, libtpu 0.0.50.
+    ("llama2-70b", "2 x v5p:4x4x2"): 42.77,
 }
 
 #: The side-by-side rows (``--maxtext``): each MaxText configuration under our presets.
@@ -35,10 +37,13 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
     # ``python -m benchmarks.fsdp_scale --row 7b v5e:4x4 "bf16 + remat + scan"``, the row
     # merged into the results under this option name.
     ("7b", "v5e:4x4", "bf16 + remat + scan (libtpu 0.0.52)"),
+    # Two slices joined by DCN: which axis spans them (HybridStrategy(across_slices=...)).
+    ("llama2-70b", "2 x v5p:4x4x2", "hybrid across data + bf16 + remat + scan"),
+    ("llama2-70b", "2 x v5p:4x4x2", "hybrid across fsdp + bf16 + remat + scan"),
 ]
 
 #: The order ``--maxtext`` measures them in (the targets most in doubt first).
-MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2]
+MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2, 10, 11]
 
 
 #: how the options are written in the README's table
@@ -61,6 +66,10 @@ OPTION_TEXT = {
         "the rest) + `MixedPrecision()` + `remat=(Block,)` + scan"
         for t in (2, 4, 8)
     },
+    "hybrid across data + bf16 + remat + scan": "`HybridStrategy(across_slices='data')` (a "
+    "replica per slice, fsdp within it) + `MixedPrecision()` + `remat=(Block,)` + scan",
+    "hybrid across fsdp + bf16 + remat + scan": "`HybridStrategy(across_slices='fsdp')` (fsdp "
+    "over both slices) + `MixedPrecision()` + `remat=(Block,)` + scan",
 }
 
 
@@ -69,6 +78,19 @@ def is_gpu(topology: str) -> bool:
     from dtensor.gpu.specs import GPUS
 
     return topology.strip().lower().partition(":")[0] in GPUS
+
+
+def split_slices(topology: str) -> tuple[str, int]:
+    """A row's topology as ``(name, slices)``: ``"2 x v5p:4x4x2"`` is 2 slices joined by DCN.
+
+    Examples:
+        >>> split_slices("2 x v5p:4x4x2"), split_slices("v5e:4x4")
+        (('v5p:4x4x2', 2), ('v5e:4x4', 1))
+    """
+    count, sep, name = topology.partition(" x ")
+    if sep and count.strip().isdigit():
+        return name.strip(), int(count)
+    return topology, 1
 
 
 def results_name(topologies: list[str]) -> str:
@@ -155,6 +177,32 @@ def side_by_side(payload: dict[str, Any]) -> str:
             f"| {OPTION_TEXT.get(option, option)} | {ours} | {ratio} "
             f"| {'—' if not floor else f'{floor * 1e3:.0f} ms'} "
             f"| {'—' if not mfu else f'{mfu:.0%}'} |"
+        )
+    return "\n".join(out)
+
+
+def slices_table(payload: dict[str, Any]) -> str:
+    """The rows on several slices (``"2 x v5p:4x4x2"``): peak, what crosses DCN, the floor's terms."""
+    gib = float(1 << 30)
+    out = [
+        "| model | topology | ours: options | mesh | peak per chip | vs MaxText | over DCN per "
+        "step | over ICI per step | step-time floor: compute / ICI / DCN | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        if split_slices(r["topology"])[1] == 1 or not r.get("peak_bytes_per_chip"):
+            continue
+        ref = MAXTEXT_GIB.get((r["size"], r["topology"]))
+        peak = r["peak_bytes_per_chip"] / gib
+        dcn = ", ".join(f"{k} {v / gib:.2f}" for k, v in r.get("dcn_by_kind", {}).items())
+        f = r["step_floor"]
+        out.append(
+            f"| {r['size']} | {r['topology']} | {OPTION_TEXT.get(r['option'], r['option'])} "
+            f"| `{r['mesh']}` | {peak:.2f} GiB | {f'{peak / ref:.2f}x' if ref else '—'} "
+            f"| {r['dcn_bytes_per_device'] / gib:.2f} GiB ({dcn}) "
+            f"| {r['ici_bytes_per_device'] / gib:.1f} GiB "
+            f"| {f['compute_seconds'] * 1e3:.0f} / {f['ici_seconds'] * 1e3:.0f} / "
+            f"{f['dcn_seconds'] * 1e3:.0f} ms | {f['bound']} |"
         )
     return "\n".join(out)
 
