@@ -172,3 +172,11 @@ def test_checkpoint_gcs_benchmark_tiny(tmp_path, gcs, gcs_emulator):
     assert got["ratio_bucket_to_local"]["save_plus_restore"] == pytest.approx(
         saved["save_plus_restore_s"]["bucket"] / saved["save_plus_restore_s"]["local"]
     )
+
+
+def test_checkpoint_gcs_benchmark_refuses_a_bucket_that_is_not_a_url(capsys):
+    from benchmarks import checkpoint_gcs
+
+    with pytest.raises(SystemExit):
+        checkpoint_gcs.main(["--bucket", "/tmp/not-a-bucket"])
+    assert "--bucket '/tmp/not-a-bucket' is not a gs:// URL" in capsys.readouterr().err

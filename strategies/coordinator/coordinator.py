@@ -311,6 +311,14 @@ class ClusterCoordinator:
         the whole of the others) and ``"applied"`` (the closures it committed,
         in the order it applied them). In one process the variables are global
         arrays: read their ``.addressable_shards`` instead.
+
+        Examples:
+            >>> import strategies
+            >>> c = strategies.ClusterCoordinator(strategies.ParameterServerStrategy(num_ps=2))
+            >>> c.parameter_shards()  # doctest: +IGNORE_EXCEPTION_DETAIL
+            Traceback (most recent call last):
+            RuntimeError: parameter_shards() in one process: there are no ps tasks ...
+            >>> c.close()
         """
         if self._remote is None:
             raise RuntimeError(

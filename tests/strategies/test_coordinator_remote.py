@@ -107,3 +107,14 @@ def test_single_process_save_and_restore(tmp_path) -> None:
         np.testing.assert_array_equal(got, stored)
     assert int(fetched_optimizer.step[...]) == 3
     assert not np.array_equal(saved[1]["opt_state"][0]["mu"]["kernel"], 0)  # moments were saved
+
+
+def test_parameter_shards_in_one_process_says_where_the_shards_are() -> None:
+    strategy = strategies.ParameterServerStrategy(num_ps=2)
+    with strategies.ClusterCoordinator(strategy, num_workers=2) as coordinator:
+        with pytest.raises(
+            RuntimeError,
+            match=r"parameter_shards\(\) in one process.*"
+            r"addressable_shards",
+        ):
+            coordinator.parameter_shards()
