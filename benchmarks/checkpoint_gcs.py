@@ -10,12 +10,13 @@ Python server writing to the same disk, so the bucket figures say what the
 storage path costs through a real GCS JSON API (HTTP, TensorStore's GCS driver,
 gcsfs, orbax's commit protocol), not what a real bucket's bandwidth would be.
 
-    python -m benchmarks.checkpoint_gcs [--gib 1.0] [--arrays 4] [--runs 1] [--out DIR]
+    python -m benchmarks.checkpoint_gcs [--gib 1.0] [--arrays 4] [--runs 1] [--out DIR] [--bucket gs://B/P]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -42,7 +43,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--arrays", type=int, default=4)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--bucket",
+        default=None,
+        help="save under this gs:// URL, through the emulator or bucket the environment names "
+        "(STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL), instead of an emulator started here",
+    )
     args = parser.parse_args(argv)
+    if args.bucket is not None and not args.bucket.startswith("gs://"):
+        parser.error(f"--bucket {args.bucket!r} is not a gs:// URL; give gs://BUCKET/PREFIX")
     common.ensure_devices()
     import jax
 
@@ -61,11 +70,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     try:
         (work / "gcs").mkdir()
-        with emulator(work / "gcs") as em:
-            os.environ.update(em.env)
+        with contextlib.ExitStack() as stack:
+            if args.bucket is None:
+                os.environ.update(stack.enter_context(emulator(work / "gcs")).env)
             logging.getLogger("gcsfs").setLevel(logging.ERROR)
             for i in range(args.runs):
-                places = {"local": str(work / f"local{i}"), "bucket": fresh_url(f"bench{i}")}
+                url = fresh_url(f"bench{i}") if args.bucket is None else f"{args.bucket}/bench{i}"
+                places = {"local": str(work / f"local{i}"), "bucket": url}
                 order = ("local", "bucket") if i % 2 == 0 else ("bucket", "local")
                 for where in order:
                     d = places[where]

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,16 @@ def _row(report: Any, fit: Any) -> dict[str, Any]:
     }
 
 
-def presets(topology: str, model_size: str, batch_size: int) -> list[dict[str, Any]]:
-    """The demo under every preset, compiled for ``topology``; one row each."""
+def presets(
+    topology: str, model_size: str, batch_size: int, names: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """The demo under every preset (or those ``names``), compiled for ``topology``; one row each."""
     import strategies
     from dtensor.tpu import aot
 
     module = aot.load_script(DEMO)
     rows = []
-    for name in strategies.PRESET_NAMES:
+    for name in strategies.PRESET_NAMES if names is None else names:
         argv = ["--strategy", name, "--model-size", model_size, "--batch-size", str(batch_size)]
         result = aot.compile_script(module, argv, topology=topology)
         row = {"strategy": name, "compile_seconds": round(result.seconds, 2)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -44,47 +43,46 @@ class Emulator:
         return self.data_dir / ".cloudstorage" / url[len("gs://") :]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command() -> list[str]:
     """The emulator's command line, with the gaps to real GCS closed (see tests/gcs_server.py)."""
     return [sys.executable, str(Path(__file__).with_name("gcs_server.py"))]
 
 
 @contextlib.contextmanager
-def emulator(data_dir: Path, *, timeout_s: float = 30.0) -> Iterator[Emulator]:
-    """Start ``gcp-storage-emulator`` on 127.0.0.1 at a free port; stop it (by PID) on exit."""
+def emulator(data_dir: Path, *, timeout_s: float = 60.0) -> Iterator[Emulator]:
+    """Start ``gcp-storage-emulator`` on 127.0.0.1 at a port the system picks; stop it (by PID).
+
+    The server binds port 0 and writes the port it got once it listens (tests/gcs_server.py):
+    no port is picked free here and taken by another process before the emulator binds it,
+    and no other process listening there is taken for this emulator.
+    """
     logging.getLogger("gcsfs").setLevel(logging.ERROR)  # a credentials warning per call
-    port = _free_port()
-    log = open(data_dir.parent / f"emulator-{port}.log", "wb")  # noqa: SIM115 - closed below
+    tag = uuid.uuid4().hex[:8]
+    port_file = data_dir.parent / f"emulator-{tag}.port"
+    log_path = data_dir.parent / f"emulator-{tag}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [*_command(), "-d", str(data_dir), "start", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--default-bucket", BUCKET],
+        [*_command(), "-d", str(data_dir), "start", "--host", "127.0.0.1", "--port", "0"]
+        + ["--default-bucket", BUCKET, "--port-file", str(port_file)],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not port_file.exists():
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"gcp-storage-emulator exited with {proc.returncode}: "
-                    + (data_dir.parent / f"emulator-{port}.log").read_text()[-2000:]
+                    + log_path.read_text()[-2000:]
                 )
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"gcp-storage-emulator did not listen within {timeout_s} s"
-                    ) from None
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"gcp-storage-emulator did not listen within {timeout_s} s: "
+                    + log_path.read_text()[-2000:]
+                )
+            time.sleep(0.05)
+        port = int(port_file.read_text())
         yield Emulator(f"http://127.0.0.1:{port}", data_dir, proc.pid)
     finally:
         proc.terminate()

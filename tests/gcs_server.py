@@ -8,10 +8,16 @@
 2. The listen queue is deeper than ``http.server``'s default of 5, which
    TensorStore's parallel requests overflow.
 
+And ``--port-file PATH`` (with ``--port 0``): the server binds a port the
+system picks and writes it to PATH once it listens, so a starter never picks a
+"free" port another process may take first, nor mistakes another emulator
+listening there for its own.
+
 The protocol served is otherwise the emulator's own.
 """
 
 import http.server
+import os
 import sys
 
 from gcp_storage_emulator.handlers import objects
@@ -31,10 +37,32 @@ def download(request, response, storage, *args, **kwargs):
 
 
 objects.download = download  # before the server module builds its routes
-http.server.HTTPServer.request_queue_size = 1024
+
+
+class _Server(http.server.HTTPServer):
+    """The emulator's HTTP server: a deeper listen queue; the port it got, once listening."""
+
+    request_queue_size = 1024
+    port_file = ""
+
+    def server_activate(self) -> None:
+        super().server_activate()  # listen(): connections are queued from here on
+        if self.port_file:  # written whole, then renamed: a reader never sees half of it
+            tmp = f"{self.port_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(self.server_address[1]))
+            os.replace(tmp, self.port_file)
+
+
+http.server.HTTPServer = _Server  # the emulator builds its server from this name at start
 
 from gcp_storage_emulator.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.argv[0] = "gcp-storage-emulator"
-    main()
+    args = sys.argv[1:]
+    if "--port-file" in args:  # ours: start on --port 0 and say which port the system gave
+        i = args.index("--port-file")
+        _Server.port_file = args[i + 1]
+        del args[i : i + 2]
+    main(args)

@@ -151,15 +151,19 @@ def test_fsdp_scale_gpu_tables_are_the_docs_tables(capsys):
     assert "mix GPUs with TPUs/CPU" in capsys.readouterr().err
 
 
-def test_checkpoint_gcs_benchmark_tiny(tmp_path):
-    """The bucket-vs-disk benchmark with a 2 MiB tree: its own emulator, JSON with both places."""
-    import os
-
+def test_checkpoint_gcs_benchmark_tiny(tmp_path, gcs, gcs_emulator):
+    """The bucket-vs-disk benchmark with a 2 MiB tree, into the suite's emulator (a fresh
+    gs:// URL, an empty working directory that must stay free of a local ./gs:): the bucket
+    rows come from objects in the bucket, and the JSON holds both places."""
     from benchmarks import checkpoint_gcs
 
-    before = os.environ.get("STORAGE_EMULATOR_HOST")
-    got = checkpoint_gcs.main(["--gib=0.002", "--arrays=1", "--out", str(tmp_path)])
-    assert os.environ.get("STORAGE_EMULATOR_HOST") == before  # the emulator's variables are gone
+    got = checkpoint_gcs.main(
+        ["--gib=0.002", "--arrays=1", "--out", str(tmp_path), "--bucket", gcs]
+    )
+    # the step the benchmark saved is committed in the bucket, its array data with it
+    stored = gcs_emulator.object_path(gcs) / "bench0" / "0"
+    assert (stored / "commit_success.txt").is_file()
+    assert (stored / "state" / "manifest.ocdbt").is_file()
     saved = json.loads((tmp_path / "checkpoint_gcs.json").read_text())
     assert saved["benchmark"] == "checkpoint_gcs"
     for where in ("local", "bucket"):
@@ -168,3 +172,11 @@ def test_checkpoint_gcs_benchmark_tiny(tmp_path):
     assert got["ratio_bucket_to_local"]["save_plus_restore"] == pytest.approx(
         saved["save_plus_restore_s"]["bucket"] / saved["save_plus_restore_s"]["local"]
     )
+
+
+def test_checkpoint_gcs_benchmark_refuses_a_bucket_that_is_not_a_url(capsys):
+    from benchmarks import checkpoint_gcs
+
+    with pytest.raises(SystemExit):
+        checkpoint_gcs.main(["--bucket", "/tmp/not-a-bucket"])
+    assert "--bucket '/tmp/not-a-bucket' is not a gs:// URL" in capsys.readouterr().err

@@ -331,3 +331,38 @@ def test_tiny_decoder_compiles_ahead_of_time_like_on_cpu(capsys):
         and "all-gather" in cpu.by_kind()
     )
     assert "peak, ideally (ZeRO formula)" in aot.summary(tpu)
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-llama"])
+def test_model_flops_is_the_hand_count_and_the_traced_step_s_matmuls(size):
+    """Every MFU ceiling divides by model_flops: the tiny shapes counted by hand, and the
+    same figure from the dot_generals of the traced training step (forward and backward)."""
+    from dtensor.analysis.floor import matmul_flops
+    from examples.decoder import model_flops
+
+    cfg = CONFIGS[size]
+    assert (cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads) == (128, 64, 2, 4, 2)
+    assert (cfg.head_dim, cfg.ffw) == (16, 128)
+    batch, seq = 2, 8
+    # Matmul parameters of one layer: query 64x(4*16), key and value 64x(2*16) each,
+    # out (4*16)x64, gate, up and down 64x128 each.
+    layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)
+    assert layer == 36_864
+    params = 2 * layer + 128 * 64  # 2 layers + the output projection (tied or not): 81_920
+    tokens = batch * seq
+    # 2 FLOPs a multiply-add, x3 for forward + the two backward matmuls of each.
+    dense = 6 * params * tokens
+    # scores q.k and the weighted sum of values: 2 matmuls of 2*seq*head_dim per token and
+    # head, forward and backward (x3), in each of the 2 layers.
+    attention = 3 * 2 * (2 * seq * 16) * 4 * tokens * 2
+    assert dense + attention == 8_060_928
+    assert model_flops(cfg, batch, seq) == dense + attention
+
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only
+    graphdef, state = nnx.split(model)
+    data = {k: jax.ShapeDtypeStruct((batch, seq), np.int32) for k in ("x", "y")}
+
+    def grads(state, data):
+        return jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), data))(state)
+
+    assert matmul_flops(jax.make_jaxpr(grads)(state, data)) == dense + attention

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,16 @@ DEMO = ROOT / "examples" / "train.py"
 
 def _run(args: list[str], tmp_path: Path, *, launch: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(DEMO), "--out", str(tmp_path), "--fresh", "--sample-chars", "8", *args]
+    cmd = [
+        sys.executable,
+        str(DEMO),
+        "--out",
+        str(tmp_path),
+        "--fresh",
+        "--sample-chars",
+        "8",
+        *args,
+    ]
     if launch:
         launcher = [sys.executable, "-m", "dtensor.launch", "-n", str(launch)]
         cmd = [*launcher, "--devices-per-process", "2", "--", sys.executable, *cmd[1:]]
@@ -60,33 +70,64 @@ def test_demo_quiet_under_the_launcher(tmp_path):
 
 @pytest.mark.slow
 def test_demo_ctrl_c_in_a_bucket_then_resumes_model_optimizer_and_data(gcs, gcs_emulator):
-    """Ctrl-C mid-run saves model, optimizer and data position in the bucket; a second run resumes."""
+    """Ctrl-C mid-run saves model, optimizer and data position in the bucket; a second run
+    resumes from them and reaches the very state the first run had reached uninterrupted."""
+    import jax
+    import numpy as np
+
+    import dtensor.checkpoint
+    from dtensor.checkpoint.storage import refresh, resolve
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(DEMO), "--out", gcs, "--sample-chars", "4"]
     stored = gcs_emulator.object_path(gcs) / "mirrored"
+    url = f"{gcs}/mirrored/checkpoints"
+    # Its output goes to a file, not a pipe nobody reads while it trains: gcsfs logs a line
+    # per bucket call, and a full pipe would block the logging thread, then the checkpoint
+    # commit waiting on it, then the run (seen under load: the run stopped at step 2).
+    log = gcs_emulator.data_dir.parent / f"first-run-{uuid.uuid4().hex[:8]}.log"
+    log_file = open(log, "w")  # noqa: SIM115 - closed below
     first = subprocess.Popen(
         [*cmd, "--steps", "400", "--save-every", "1", "--quiet"],
-        stdout=subprocess.PIPE,
+        stdout=log_file,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
+
+    def committed_from_2() -> bool:
+        # Any step >= 2 committed: with a save every step and 3 kept, step 2 itself may be
+        # gone (its folder stays behind on the emulator's disk, emptied) before a look here.
+        top = stored / "checkpoints"
+        steps = [p for p in top.iterdir() if p.name.isdigit()] if top.is_dir() else []
+        return any(int(p.name) >= 2 and (p / "commit_success.txt").is_file() for p in steps)
+
     try:
         deadline = time.monotonic() + 300
-        while not (stored / "checkpoints" / "1" / "commit_success.txt").is_file():
-            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        while not committed_from_2():
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step >= 2 committed within 300 s"
             time.sleep(0.2)
         first.send_signal(signal.SIGINT)  # Ctrl-C
-        out, _ = first.communicate(timeout=120)
+        first.wait(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 0, out[-3000:]
-    steps = sorted(int(p.name) for p in (stored / "checkpoints").iterdir() if p.name.isdigit())
-    stopped = steps[-1]
-    assert 1 <= stopped < 400
+            first.wait(timeout=60)
+        log_file.close()
+    assert first.returncode == 0, log.read_text()[-3000:]
+    refresh(url)
+    stopped = dtensor.checkpoint.latest_step(url)  # committed and intact, as listed by the API
+    assert stopped is not None and 2 <= stopped < 400, stopped
+    # The first run's state at its last step, uninterrupted since step 0: the reference.
+    # Then that step goes (through the bucket's API), and a second run resumes from the
+    # step before it and trains the one step again.
+    reached = jax.device_get(dtensor.checkpoint.restore(url, step=stopped))
+    resolve(f"{url}/{stopped}").rmtree()
+    refresh(url)
+    assert dtensor.checkpoint.latest_step(url) == stopped - 1
     second = subprocess.run(
-        [*cmd, "--steps", str(stopped + 2), "--save-every", "0", "--json"],
+        [*cmd, "--steps", str(stopped), "--save-every", "0", "--json"],
         capture_output=True,
         text=True,
         env=env,
@@ -94,11 +135,23 @@ def test_demo_ctrl_c_in_a_bucket_then_resumes_model_optimizer_and_data(gcs, gcs_
     )
     assert second.returncode == 0, second.stderr[-3000:]
     result = json.loads(second.stdout)
-    assert result["resumed_from"] == stopped
+    assert result["resumed_from"] == stopped - 1
     assert result["checkpoints"] == f"{gcs}/mirrored/checkpoints"
-    assert json.loads((stored / "results.json").read_text())["steps"] == stopped + 2
+    assert json.loads((stored / "results.json").read_text())["steps"] == stopped
     assert (stored / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # Model and optimizer came back (not only the step number): one step from them gives
+    # the first run's parameters, Adam moments and step count.
+    refresh(url)
+    again = jax.device_get(dtensor.checkpoint.restore(url, step=stopped))
+    assert jax.tree.structure(again) == jax.tree.structure(reached)
+    assert int(again["optimizer"]["step"]) == int(reached["optimizer"]["step"]) == stopped
+    for (path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(again), jax.tree.leaves(reached), strict=True
+    ):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert error <= 1e-6, (jax.tree_util.keystr(path), error)
     # The data position went with each step: `step` global batches read at step `step`.
-    for step in (stopped, stopped + 2):
+    for step in (stopped - 1, stopped):
         saved = stored / "checkpoints" / str(step) / "data" / "process_0.json"
         assert json.loads(saved.read_text())["state"]["batches"] == step

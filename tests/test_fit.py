@@ -9,7 +9,7 @@ import pytest
 
 import dtensor.tpu
 from dtensor.tpu import aot
-from dtensor.tpu.search import FitError, Rung, _merge, ladder
+from dtensor.tpu.search import FitError, Rung, _merge, choose, ladder
 
 DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
 ARGV = ["--strategy", "fully_sharded", "--model-size", "small", "--batch-size", "16"]
@@ -50,8 +50,10 @@ def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys
     argv += ["--batch-size", "4096"]
     rungs = [
         Rung("as given", ()),
+        # the options as given already hold this rung's: never compiled, never listed
+        Rung("batch 4096", ("--batch-size", "4096")),
         Rung("batch 256", ("--batch-size", "256")),
-        Rung("batch 256, bf16", ("--batch-size", "256", "--mixed-precision", "bf16"), True),
+        Rung("batch 128", ("--batch-size", "128"), True),
         Rung("batch 64", ("--batch-size", "64")),
     ]
     cache = tmp_path / "cache"
@@ -69,13 +71,18 @@ def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys
     found = dtensor.tpu.fit(
         DEMO, argv, topology="v5e:2x2", cache_dir=cache, rungs=rungs, max_bytes_per_chip=budget
     )
-    assert [t["name"] for t in found.tried] == ["as given", "batch 256", "batch 256, bf16"]
+    assert [t["name"] for t in found.tried] == ["as given", "batch 256", "batch 128"]
     assert found.tried[0]["cached"] and not found.tried[0]["fits"]
     assert not found.tried[1]["cached"] and found.tried[1]["fits"]
     best = found.best
     assert best["peak_bytes_per_chip"] <= budget
-    fitting = [t for t in found.tried if t["fits"]]
-    assert best["step_time_floor_seconds"] == min(t["step_time_floor_seconds"] for t in fitting)
+    # Both fit. Every matmul of the step has the batch as a free dimension, so batch 128
+    # does half the FLOPs of batch 256 and its floor is the lower (below it whichever of
+    # compute and ICI bounds it): it wins, though it was tried later.
+    first_fit, faster = found.tried[1], found.tried[2]
+    assert first_fit["fits"] and faster["fits"]
+    assert 0 < faster["step_time_floor_seconds"] < first_fit["step_time_floor_seconds"]
+    assert best["name"] == "batch 128"
     assert found.command() == (
         "python -m dtensor.aot --topology v5e:2x2 -- " + DEMO + " " + " ".join(best["argv"])
     )
@@ -94,3 +101,20 @@ def test_fit_finds_the_cheapest_fitting_options_and_caches_them(tmp_path, capsys
     saved = json.loads(out.read_text())
     assert saved["best"]["name"] == "as given" and saved["best"]["peak_bytes_per_device"] > 0
     assert saved["command"] in printed
+
+
+def test_a_fitting_rung_without_a_floor_never_wins_by_counting_zero():
+    # A chip the hardware table lacks gives no floor: such a rung ranks after every rung
+    # with one (a floor of 0 would make it win), and among floor-less rungs the first
+    # tried (the least costly) wins.
+    tried = [
+        {"name": "as given", "fits": False, "step_time_floor_seconds": 0.001},
+        {"name": "bf16", "fits": True, "step_time_floor_seconds": None},
+        {"name": "bf16 + remat", "fits": True, "step_time_floor_seconds": 0.030},
+        {"name": "bf16 + remat (dots_saveable)", "fits": True, "step_time_floor_seconds": 0.020},
+    ]
+    assert choose(tried)["name"] == "bf16 + remat (dots_saveable)"
+    assert choose(tried[:2])["name"] == "bf16"  # the only one that fits
+    unknown = [{**t, "step_time_floor_seconds": None} for t in tried]
+    assert choose(unknown)["name"] == "bf16"
+    assert choose([tried[0]]) is None

@@ -290,3 +290,33 @@ def test_gpu_presets_benchmark_results():
             assert r["ib_bytes_per_gpu"] > 0, name
     row = gpu_presets.large_row("no-such-size", "h100:8x8", "bf16 + remat", 64, 1024)
     assert row["error"] == "examples/train.py has no --model-size no-such-size yet"
+
+
+def test_a_gpu_presets_row_computed_live_is_the_committed_one():
+    """One gpu_presets.json row compiled now by the benchmark's own function (mirrored, the
+    cheapest preset that crosses hosts): at least its minimum, and the committed figures."""
+    from pathlib import Path
+
+    from benchmarks import gpu_presets
+
+    got = json.loads(
+        (Path(__file__).parents[1] / "benchmarks/results/gpu_presets.json").read_text()
+    )
+    committed = next(r for r in got["rows"] if r["strategy"] == "mirrored")
+    (live,) = gpu_presets.presets(
+        got["topology"], got["model_size"], got["global_batch"], names=["mirrored"]
+    )
+    assert live["min_comm_bytes_per_gpu"] > 0
+    assert live["comm_bytes_per_gpu"] / live["min_comm_bytes_per_gpu"] >= 1
+    assert live["ib_bytes_per_gpu"] > 0  # two hosts: the all-reduce crosses the network
+    for key in (
+        "mesh",
+        "comm_bytes_per_gpu",
+        "min_comm_bytes_per_gpu",
+        "nvlink_bytes_per_gpu",
+        "ib_bytes_per_gpu",
+        "comm_by_kind",
+        "state_bytes_per_gpu",
+        "fits",
+    ):
+        assert live[key] == committed[key], key

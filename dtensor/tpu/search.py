@@ -44,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FitError", "FitResult", "Rung", "fit", "ladder"]
+__all__ = ["FitError", "FitResult", "Rung", "choose", "fit", "ladder"]
 
 
 class FitError(ValueError):
@@ -284,9 +284,31 @@ def fit(
         found = found or entry["fits"]
         if log is not None:
             log(_line(entry))
+    return FitResult(str(script), argv, topology, num_slices, tried, choose(tried))
+
+
+def choose(tried: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fitting entry with the lowest step-time floor; ``None`` when none fits.
+
+    An entry without a floor (a chip the hardware table lacks) ranks after
+    every entry with one, never first as a floor of 0 would; among entries
+    without one the first tried (the least costly rung) wins.
+
+    Examples:
+        >>> from dtensor.tpu.search import choose
+        >>> tried = [{"name": "a", "fits": True, "step_time_floor_seconds": None},
+        ...          {"name": "b", "fits": True, "step_time_floor_seconds": 0.2},
+        ...          {"name": "c", "fits": False, "step_time_floor_seconds": 0.1}]
+        >>> choose(tried)["name"]
+        'b'
+    """
     fitting = [t for t in tried if t["fits"]]
-    best = min(fitting, key=lambda t: t.get("step_time_floor_seconds") or 0.0, default=None)
-    return FitResult(str(script), argv, topology, num_slices, tried, best)
+
+    def rank(t: dict[str, Any]) -> tuple[bool, float]:
+        floor = t.get("step_time_floor_seconds")
+        return (floor is None, floor or 0.0)
+
+    return min(fitting, key=rank, default=None)
 
 
 def _line(entry: dict[str, Any]) -> str:

@@ -149,18 +149,38 @@ class ClusterBackend:
         n = self.role.num_ps
         return [split_across(tuple(x.shape), s, n) for x, s in zip(leaves, split, strict=True)]
 
+    def _states(self, builder: str) -> list[tuple[list[Any], list[int]]]:
+        """Each ps task's own values of a builder's variables, and the closures it applied."""
+        parts = []
+        for k in range(self.role.num_ps):
+            reply = self._call_ps(k, self.role.num_workers, {"op": "state", "builder": builder})
+            pulled = self.transfers.pull(self.ps[k].address, reply["uuid"], reply["specs"])
+            parts.append((pulled, reply["order"]))
+        return parts
+
+    def shards(self, node: Any) -> list[dict[str, Any]]:
+        """For each ps task: ``{"variables": {path: host array}, "applied": [closure ids]}``."""
+        made = self._origin(node, "parameter_shards()")
+        state = nnx.to_pure_dict(nnx.split(nodes_of_call(made))[1])  # leaves in state order
+        paths = [
+            jax.tree_util.keystr(path, simple=True, separator="/")
+            for path, _ in jax.tree_util.tree_leaves_with_path(state)
+        ]
+        return [
+            {
+                "variables": dict(zip(paths, jax.device_get(leaves), strict=True)),
+                "applied": applied,
+            }
+            for leaves, applied in self._states(made.builder)
+        ]
+
     def fetch_variables(self, node: Any) -> tuple[Any, ...]:
         """Copy the parameter servers' current values into the chief's nodes of ``node``'s builder."""
         made = self._origin(node, "fetch_variables()")
         nodes = nodes_of_call(made)
         leaves, treedef = jax.tree.flatten(nnx.split(nodes)[1])
         across = self._across(made.builder, leaves, None)
-        parts = []
-        for k in range(self.role.num_ps):
-            reply = self._call_ps(
-                k, self.role.num_workers, {"op": "state", "builder": made.builder}
-            )
-            parts.append(self.transfers.pull(self.ps[k].address, reply["uuid"], reply["specs"]))
+        parts = [pulled for pulled, _ in self._states(made.builder)]
         joined = [
             np.concatenate([np.asarray(p[i]) for p in parts]) if a else parts[0][i]
             for i, a in enumerate(across)

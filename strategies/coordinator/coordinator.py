@@ -303,6 +303,30 @@ class ClusterCoordinator:
                 self._remote.fetch_variables(node)
         return tuple(self._nodes)
 
+    def parameter_shards(self) -> dict[str, list[dict[str, Any]]]:
+        """Across processes: each ps task's own copy, by builder (TF's ``ShardedVariable.variables``).
+
+        For each builder, one entry per ps task, in task order: ``"variables"``
+        (path -> host array: its rows of each variable the partitioner splits,
+        the whole of the others) and ``"applied"`` (the closures it committed,
+        in the order it applied them). In one process the variables are global
+        arrays: read their ``.addressable_shards`` instead.
+
+        Examples:
+            >>> import strategies
+            >>> c = strategies.ClusterCoordinator(strategies.ParameterServerStrategy(num_ps=2))
+            >>> c.parameter_shards()  # doctest: +IGNORE_EXCEPTION_DETAIL
+            Traceback (most recent call last):
+            RuntimeError: parameter_shards() in one process: there are no ps tasks ...
+            >>> c.close()
+        """
+        if self._remote is None:
+            raise RuntimeError(
+                "parameter_shards() in one process: there are no ps tasks, the variables are "
+                "global arrays on the parameter devices; read x.addressable_shards instead."
+            )
+        return {name: self._remote.shards(node) for name, node in self._remote.builders()}
+
     def save(self, directory: str, step: int) -> None:
         """Checkpoint the variables (and optimizer state) where they live, layout-aware.
 

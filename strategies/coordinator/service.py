@@ -64,6 +64,7 @@ class _Group:
         self.version = 0
         self.staleness: list[int] = []
         self.committed: set[int] = set()
+        self.order: list[int] = []  # the closures applied, in the order applied
         self.staged: dict[int, Any] = {}  # closure -> its pulled changes, until applied
         self.applies: dict[Any, Any] = {}
 
@@ -183,16 +184,19 @@ class ParameterService:
                 group.applies[akey] = apply
             nnx.update(nodes, apply(ps_state, deltas, updates))
             group.committed.add(m["closure"])
+            group.order.append(m["closure"])
             group.version += 1
             return {"version": group.version}
 
     def _state(self, m: dict[str, Any]) -> dict[str, Any]:
-        """Offer every variable of a builder's nodes (the chief's ``fetch_variables``)."""
+        """Offer every variable of a builder's nodes (the chief's ``fetch_variables``), with
+        the closures applied so far, in their order."""
         group = self.groups[m["builder"]]
         with group.lock:
             leaves = jax.tree.leaves(nnx.split(group.nodes)[1])
             specs = [rpc.spec_of(x) for x in leaves]
-            return {"uuid": self.transfers.offer(leaves), "specs": specs}
+            uuid = self.transfers.offer(leaves)
+            return {"uuid": uuid, "specs": specs, "order": list(group.order)}
 
     def _load(self, m: dict[str, Any]) -> dict[str, Any]:
         """Replace a builder's variables by the chief's (a restored checkpoint), in our layouts."""

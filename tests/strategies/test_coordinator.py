@@ -10,6 +10,7 @@ import itertools
 import threading
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -106,6 +107,63 @@ def test_async_training_matches_sync_and_runs_every_closure_once():
     kernel = model.lin.kernel[...]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("ps", None)
     assert {d.id for d in kernel.sharding.device_set} == {0, 1}
+
+
+def test_a_commit_staler_than_max_staleness_is_refused_and_runs_again():
+    # Forced, not left to timing: worker 0's first closure, after reading the variables,
+    # waits inside its step (a host callback) until 2 other commits have landed; its read
+    # is then 2 commits old, above max_staleness=1: the commit is refused and the closure
+    # runs again (a retry), once committed.
+    x, y = _data()
+    n = 8
+    model = Regression(n)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    held: list[int] = []  # the closure held back
+    ran: list[int] = []  # every closure, each time its step runs
+    # 2 ps devices and 2 workers of one device each: a step held in a callback blocks no
+    # collective of its own
+    strategy = strategies.ParameterServerStrategy(
+        strategies.FixedShardsPartitioner(2), devices=jax.devices()[:4]
+    )
+    coordinator = ClusterCoordinator(strategy, max_staleness=1)
+
+    def gate(hold, closure_id):
+        ran.append(int(closure_id))
+        if int(hold) and not held:
+            held.append(int(closure_id))
+            start = len(coordinator.stats().staleness)
+            for _ in range(6000):  # 60 s at most: a hang fails, it does not wait forever
+                if len(coordinator.stats().staleness) >= start + 2:
+                    break
+                threading.Event().wait(0.01)
+            else:
+                raise TimeoutError("the other worker committed nothing for 60 s")
+        return np.int32(0)
+
+    def held_step(model, optimizer, batch, closure_id):
+        (bx, by), hold = batch
+        out = jax.ShapeDtypeStruct((), jnp.int32)
+        zero = jax.experimental.io_callback(gate, out, hold, closure_id)
+        return train_step(model, optimizer, (bx + zero, by), closure_id)
+
+    def dataset(ctx):
+        pipelines = ctx.num_input_pipelines
+        for k, batch in enumerate(_endless(x, y, ctx.input_pipeline_id, pipelines)):
+            yield batch, np.int32(ctx.input_pipeline_id == 0 and k == 0)
+
+    with coordinator:
+        assert coordinator.num_workers == 2
+        iterator = iter(coordinator.create_per_worker_dataset(dataset))
+        for k in range(n):
+            coordinator.schedule(held_step, args=(model, optimizer, iterator, np.int32(k)))
+    stats = coordinator.stats()
+    (held_id,) = held
+    assert ran.count(held_id) >= 2, ran  # refused, then run again
+    assert stats.retries == len(ran) - n >= 1  # every re-run is a counted retry
+    assert stats.completed == n and len(stats.staleness) == n and max(stats.staleness) <= 1
+    # every closure committed exactly once, the refused one included
+    np.testing.assert_array_equal(np.asarray(model.seen[...]), np.ones(n))
+    assert int(optimizer.step[...]) == n
 
 
 def test_schedule_fetch_get_done_join():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+import dtensor.checkpoint
 import strategies
 from strategies.coordinator.plan import abstract_of, encode_value, resolve_value
 from strategies.coordinator.remote import lookup, origin
@@ -86,12 +88,33 @@ def test_single_process_save_and_restore(tmp_path) -> None:
             coordinator.schedule(step, args=(model, optimizer, x))
         coordinator.join()
         coordinator.save(str(tmp_path), step=3)
-        saved = np.asarray(model.kernel[...])
+        saved = jax.device_get(nnx.to_pure_dict(nnx.state((model, optimizer))))
         for _ in range(2):
             coordinator.schedule(step, args=(model, optimizer, x))
         coordinator.join()
         assert int(optimizer.step[...]) == 5
         coordinator.restore(str(tmp_path))
-        assert coordinator.fetch_variables() == (model, optimizer)
-    np.testing.assert_array_equal(np.asarray(model.kernel[...]), saved)
-    assert int(optimizer.step[...]) == 3
+        fetched_model, fetched_optimizer = coordinator.fetch_variables()
+    # what the coordinator hands back holds the checkpoint's values: the model's and the
+    # optimizer's (its step count, Adam's moments), read from disk independently here
+    on_disk = dtensor.checkpoint.restore(str(tmp_path), step=3)
+    back = jax.device_get(nnx.to_pure_dict(nnx.state((fetched_model, fetched_optimizer))))
+    assert jax.tree.structure(back) == jax.tree.structure(saved)
+    for got, want, stored in zip(
+        jax.tree.leaves(back), jax.tree.leaves(saved), jax.tree.leaves(on_disk), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, stored)
+    assert int(fetched_optimizer.step[...]) == 3
+    assert not np.array_equal(saved[1]["opt_state"][0]["mu"]["kernel"], 0)  # moments were saved
+
+
+def test_parameter_shards_in_one_process_says_where_the_shards_are() -> None:
+    strategy = strategies.ParameterServerStrategy(num_ps=2)
+    with strategies.ClusterCoordinator(strategy, num_workers=2) as coordinator:
+        with pytest.raises(
+            RuntimeError,
+            match=r"parameter_shards\(\) in one process.*"
+            r"addressable_shards",
+        ):
+            coordinator.parameter_shards()

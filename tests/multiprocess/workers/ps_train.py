@@ -7,6 +7,12 @@ data set, and the coordinator's statistics. ``--kill-worker K`` makes worker
 0 SIGKILL itself while reading its K-th batch, inside a closure (once: see
 ``--marker``);
 ``--die ps`` makes the ps task SIGKILL itself 3 s after it starts serving.
+``--hold DIR`` forces a stale commit, by event and not by timing: worker 0,
+having read the variables, holds its first batch until worker 1 has read 3
+batches since, so at least 2 of worker 1's commits land between worker 0's
+read and its commit. ``--shards`` makes the chief print ``SHARDS {json}``:
+each ps task's own variables (shapes, values) and the closures it applied,
+in order, beside the chief's fetched kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ parser.add_argument("--max-staleness", type=int, default=-1)
 parser.add_argument("--partition", action="store_true", help="split the kernel in 2 shards")
 parser.add_argument("--adam", action="store_true", help="Adam (state split with the kernel)")
 parser.add_argument("--local", action="store_true", help="the single-process coordinator instead")
+parser.add_argument(
+    "--hold",
+    default="",
+    help="a folder: worker 0 holds its first batch until worker 1 has read 3 more (a stale read)",
+)
+parser.add_argument("--shards", action="store_true", help="print each ps task's own variables")
 flags = parser.parse_args()
 
 if not flags.local:
@@ -80,6 +92,8 @@ def dataset_fn(ctx):
         while True:
             for i in range(0, len(x), 16):
                 n += 1
+                if flags.hold:
+                    hold(ctx.input_pipeline_id, n)
                 if (
                     flags.kill_worker == n
                     and ctx.input_pipeline_id == 0
@@ -93,6 +107,25 @@ def dataset_fn(ctx):
     return batches()
 
 
+def hold(worker: int, n: int) -> None:
+    """``--hold``: worker 0 waits at its first batch until worker 1 has read 3 more."""
+    held, go = os.path.join(flags.hold, "held"), os.path.join(flags.hold, "go")
+    if worker == 0 and n == 1:
+        open(held, "w").close()
+        deadline = time.monotonic() + 60  # a hang fails the closure, it does not wait forever
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"--hold: worker 1 never wrote {go}")
+            time.sleep(0.01)
+    elif worker == 1 and os.path.exists(held) and not os.path.exists(go):
+        since = os.path.join(flags.hold, "since")
+        count = int(open(since).read()) + 1 if os.path.exists(since) else 1
+        with open(since, "w") as f:
+            f.write(str(count))
+        if count == 3:  # its 2 closures before this one have committed since worker 0 read
+            open(go, "w").close()
+
+
 @strategies.remote_function
 def train_step(model, optimizer, batch):
     x, y = batch
@@ -103,6 +136,24 @@ def train_step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
+
+
+def shards(coordinator, model) -> dict:
+    """Each ps task's own variables (shape and values) and commit order; the chief's kernel."""
+    (per_ps,) = coordinator.parameter_shards().values()
+    return {
+        "ps": [
+            {
+                "variables": {
+                    path: {"shape": list(v.shape), "value": np.asarray(v).tolist()}
+                    for path, v in ps["variables"].items()
+                },
+                "applied": ps["applied"],
+            }
+            for ps in per_ps
+        ],
+        "kernel": np.asarray(model.dense.kernel[...]).tolist(),
+    }
 
 
 def main() -> None:
@@ -130,6 +181,8 @@ def main() -> None:
     values = [float(v) for v in coordinator.fetch(losses)]
     if not flags.local:
         coordinator.fetch_variables()
+    if flags.shards:
+        print("SHARDS " + json.dumps(shards(coordinator, model)), flush=True)
     if flags.save:
         coordinator.save(flags.save, step=int(optimizer.step[...]))
     x, y = data(7, 256)
