@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from dtensor import compat
-from dtensor.runtime import peers
+from dtensor.runtime import hosts, peers
 
 __all__ = ["barrier", "client_id", "initialize", "is_initialized", "num_clients", "shutdown"]
 
@@ -234,6 +234,7 @@ def initialize(
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
+            names=names,
         )
         if _state.monitor is not None:  # before any loss can matter: no step has run yet
             _state.monitor.tolerate, _state.monitor.names = frozenset(tolerate), dict(names or {})
@@ -300,7 +301,12 @@ def _check_port_free(spec: ClusterSpec) -> None:
 
 
 def _connect(
-    spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
+    spec: ClusterSpec,
+    *,
+    timeout_s: float,
+    heartbeat_timeout_s: float,
+    shutdown_timeout_s: float,
+    names: Mapping[int, str] | None = None,
 ) -> ClusterSpec:
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
@@ -347,6 +353,16 @@ def _connect(
         spec, coordinator_address=compat.coordinator_address() or spec.coordinator_address
     )
     assert spec.process_id is not None and spec.num_processes is not None
+    # one address per process that the others reach, for gloo and the transfer servers
+    placement = hosts.settle(
+        compat.distributed_client(),
+        spec.process_id,
+        spec.num_processes,
+        spec.coordinator_address,
+        timeout_s=timeout_s,
+        names=names,
+    )
+    compat.use_gloo_address(placement.address)
     monitor = peers.PeerMonitor.from_env(
         compat.distributed_client(),
         spec.process_id,
@@ -467,6 +483,7 @@ def shutdown() -> None:
             _state.monitor.finish(_state.shutdown_timeout_s)
             peers.uninstall_abort_hook()
         _state.monitor = None
+        hosts.forget()
         if is_initialized():
             jax.distributed.shutdown()
         if _state.previous_excepthook is not None and sys.excepthook is _excepthook:
