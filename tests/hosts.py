@@ -69,16 +69,16 @@ class TwoHosts:
     def popen(
         self, host: int, argv: Sequence[str], env: Mapping[str, str], **kw: object
     ) -> subprocess.Popen[str]:
-        """Start ``argv`` on host ``host``; stdout and stderr together, as text."""
-        return subprocess.Popen(  # type: ignore[call-overload]
-            self.command(host, argv),
-            env=dict(env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            **kw,
-        )
+        """Start ``argv`` on host ``host``; stdout and stderr together, as text (a pipe unless
+        ``stdout=`` says otherwise)."""
+        options: dict[str, object] = {
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.STDOUT,
+            "stdin": subprocess.DEVNULL,
+            "text": True,
+        }
+        options.update(kw)
+        return subprocess.Popen(self.command(host, argv), env=dict(env), **options)  # type: ignore[call-overload]
 
     def limit(self, rate: str = "1gbit", burst: str = "512kb", latency: str = "50ms") -> None:
         """A slow link: a token-bucket filter on both ends of the veth pair."""
@@ -127,6 +127,11 @@ def two_hosts() -> Iterator[TwoHosts]:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "hosts").write_text(
                 _hosts_file(hosts.names[i], hosts.names[1 - i], hosts.addresses[1 - i])
+            )
+            # no name server on these hosts: a look-up of an outside name (gcsfs asks for
+            # Google's endpoints) fails at once instead of waiting for an unreachable server
+            (folder / "resolv.conf").write_text(
+                "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
             )
         yield hosts
     finally:
