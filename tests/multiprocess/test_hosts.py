@@ -86,7 +86,6 @@ def _ps_job(hosts: TwoHosts, *args: str, ps_env: dict[str, str] | None = None, t
     return finish(procs, timeout_s)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_multi_worker_mirrored_on_two_hosts_of_two_processes_matches_one_process(hosts) -> None:
     ref_losses, ref_params = _reference()
@@ -116,7 +115,6 @@ def test_multi_worker_mirrored_on_two_hosts_of_two_processes_matches_one_process
             assert rel_err(np.asarray(out["params"][path]), want) <= 1e-5, (out["rank"], path)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_parameter_server_job_with_workers_on_another_host_completes_and_converges(hosts) -> None:
     done = _ps_job(hosts, "--steps", "40", "--max-staleness", "2", timeout_s=180)
