@@ -13,6 +13,7 @@ Public APIs replace private ones wherever they exist: XLA's runtime error is
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ __all__ = [
     "distributed_client",
     "distributed_timeouts",
     "preemption_sync_manager",
+    "use_gloo_address",
 ]
 
 
@@ -170,7 +172,6 @@ def distributed_timeouts(**timeouts: int) -> dict[str, Any]:
         {'heartbeat_timeout_seconds': 80}
     """
     import inspect
-    import warnings
 
     try:
         accepted = set(inspect.signature(jax.distributed.initialize).parameters)
@@ -184,3 +185,57 @@ def distributed_timeouts(**timeouts: int) -> dict[str, Any]:
             stacklevel=2,
         )
     return {k: v for k, v in timeouts.items() if k in accepted}
+
+
+def use_gloo_address(hostname: str) -> bool:
+    """Make the CPU backend's gloo collectives bind and advertise ``hostname`` (an address).
+
+    JAX creates gloo's TCP collectives without a host name or interface, so
+    gloo advertises what this host's own name resolves to: ``127.0.1.1`` on
+    Debian and Ubuntu, which no other host reaches ("Gloo context
+    initialization failed: ... Connection refused, remote=[127.0.1.1]").
+    jaxlib's ``make_gloo_tcp_collectives(distributed_client, hostname=...,
+    interface=...)`` takes one; this registers, through the public
+    ``jax.extend.backend.register_backend_factory``, a CPU backend factory
+    that passes it. Call it before JAX starts its backends.
+
+    Private: ``jax._src.xla_bridge.make_cpu_client``,
+    ``jax._src.distributed.global_state`` and ``jaxlib``'s
+    ``make_gloo_tcp_collectives``. Fallback when they move: ``False``, with a
+    warning; gloo then keeps JAX's own choice (this host's name).
+
+    Examples:
+        >>> from dtensor.compat import use_gloo_address
+        >>> use_gloo_address("127.0.0.1")  # the backends already run here: too late
+        False
+    """
+    if backends_initialized():
+        return False
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax
+
+        make_gloo = _jax.make_gloo_tcp_collectives
+        make_cpu_client = xla_bridge.make_cpu_client
+        state = distributed.global_state
+    except (ImportError, AttributeError) as e:
+        warnings.warn(
+            f"dtensor could not pass the address {hostname} to gloo's CPU collectives ({e}); "
+            "gloo advertises what this host's name resolves to, which other hosts may not "
+            "reach. Make the host name resolve to an address the other hosts reach.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+
+    def make_client() -> Any:
+        collectives = None
+        impl = getattr(jax.config, "jax_cpu_collectives_implementation", None)
+        if state.client is not None and impl == "gloo":
+            collectives = make_gloo(distributed_client=state.client, hostname=hostname)
+        return make_cpu_client(collectives=collectives)
+
+    from jax.extend import backend
+
+    backend.register_backend_factory("cpu", make_client, priority=0, fail_quietly=False)
+    return True

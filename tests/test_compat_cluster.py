@@ -92,3 +92,32 @@ def test_xla_runtime_errors_are_caught_through_the_public_name() -> None:
     from jax._src.lib import _jax
 
     assert jax.errors.JaxRuntimeError is _jax.JaxRuntimeError
+
+
+def test_use_gloo_address_registers_a_cpu_backend_before_jax_starts_it(tmp_path) -> None:
+    import subprocess
+
+    code = (
+        "from dtensor import compat; ok = compat.use_gloo_address('127.0.0.1'); "
+        "import jax; from jax._src import xla_bridge; "
+        "f = xla_bridge._backend_factories['cpu'].factory; "
+        "print(ok, f.__qualname__, len(jax.devices()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["True", "use_gloo_address.<locals>.make_client", "1"], out.stderr
+
+
+def test_use_gloo_address_is_too_late_once_the_backends_run() -> None:
+    jax.devices()
+    assert compat.use_gloo_address("127.0.0.1") is False
+
+
+def test_use_gloo_address_warns_and_keeps_jax_s_choice_when_jax_moves_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compat, "backends_initialized", lambda: False)  # as before any JAX call
+    monkeypatch.delattr("jax._src.xla_bridge.make_cpu_client")
+    with pytest.warns(RuntimeWarning, match=r"could not pass the address 10\.0\.0\.7 to gloo"):
+        assert compat.use_gloo_address("10.0.0.7") is False

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from dtensor import compat
-from dtensor.runtime import peers, watchdog
+from dtensor.runtime import hosts, peers, watchdog
 
 __all__ = ["barrier", "client_id", "initialize", "is_initialized", "num_clients", "shutdown"]
 
@@ -167,17 +167,13 @@ def initialize(
         heartbeat_timeout_s: how long a silent process (killed, hung) may go
             before the others declare it lost and exit with
             :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`: each survivor
-            names it and has ended within ``heartbeat_timeout_s + 10`` s
-            (under :mod:`dtensor.launch`, which reports its status, within
-            about a second). Default ``$DTENSOR_HEARTBEAT_TIMEOUT_S``, else
-            15 (every process of a job should use the same). A process that
-            ends with a non-zero ``sys.exit(N)`` or an uncaught exception,
-            and the coordinator's death, are noticed at once (about a
-            second). JAX's own heartbeat limit is set well beyond this
-            (:func:`dtensor.runtime.watchdog.jax_heartbeat_timeout`), so the
-            named verdict always comes first; after SIGTERM the process ends
-            within ``$DTENSOR_SIGTERM_GRACE_S`` (default 60 s) with status
-            143 (:mod:`dtensor.runtime.watchdog`).
+            names it and ends within ``heartbeat_timeout_s + 10`` s (about a
+            second under :mod:`dtensor.launch`, and for a non-zero exit, an
+            uncaught exception or the coordinator's death). Default
+            ``$DTENSOR_HEARTBEAT_TIMEOUT_S``, else 15, the same in every
+            process; JAX's own limit is set beyond it
+            (:mod:`dtensor.runtime.watchdog`, which also ends a process 143
+            at most ``$DTENSOR_SIGTERM_GRACE_S``, default 60 s, after SIGTERM).
         shutdown_timeout_s: how long a finished process waits at exit for
             the others to finish too (JAX's shutdown barrier); it stops
             waiting, with :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST`, as soon as one of them is
@@ -243,6 +239,7 @@ def initialize(
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
+            names=names,
         )
         watchdog.guard_sigterm(f"process {spec.process_id} of {spec.num_processes}", grace_s)
         if _state.monitor is not None:  # before any loss can matter: no step has run yet
@@ -310,7 +307,12 @@ def _check_port_free(spec: ClusterSpec) -> None:
 
 
 def _connect(
-    spec: ClusterSpec, *, timeout_s: float, heartbeat_timeout_s: float, shutdown_timeout_s: float
+    spec: ClusterSpec,
+    *,
+    timeout_s: float,
+    heartbeat_timeout_s: float,
+    shutdown_timeout_s: float,
+    names: Mapping[int, str] | None = None,
 ) -> ClusterSpec:
     deadline = time.monotonic() + timeout_s
     if spec.coordinator_address is not None and spec.process_id != 0:
@@ -359,6 +361,16 @@ def _connect(
         spec, coordinator_address=compat.coordinator_address() or spec.coordinator_address
     )
     assert spec.process_id is not None and spec.num_processes is not None
+    # one address per process that the others reach, for gloo and the transfer servers
+    placement = hosts.settle(
+        compat.distributed_client(),
+        spec.process_id,
+        spec.num_processes,
+        spec.coordinator_address,
+        timeout_s=timeout_s,
+        names=names,
+    )
+    compat.use_gloo_address(placement.address)
     monitor = peers.PeerMonitor.from_env(
         compat.distributed_client(),
         spec.process_id,
@@ -479,6 +491,7 @@ def shutdown() -> None:
             _state.monitor.finish(_state.shutdown_timeout_s)
             peers.uninstall_abort_hook()
         _state.monitor = None
+        hosts.forget()
         if is_initialized():
             jax.distributed.shutdown()
         if _state.previous_excepthook is not None and sys.excepthook is _excepthook:

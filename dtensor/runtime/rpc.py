@@ -23,9 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -36,6 +34,7 @@ import jax
 import numpy as np
 
 from dtensor import compat
+from dtensor.runtime import hosts
 
 __all__ = ["Channel", "PeerGone", "TaskInfo", "Transfers", "Watch"]
 
@@ -175,44 +174,40 @@ def serve_lane(
 
 
 # ------------------------------------------------------------------ arrays
-#: Overrides the address a task's transfer server binds and advertises (an interface
-#: of this host that every other task can reach).
-ENV_TRANSFER_HOST = "DTENSOR_TRANSFER_HOST"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: The older name of ``DTENSOR_INTERFACE`` (:mod:`dtensor.runtime.hosts`), still read.
+ENV_TRANSFER_HOST = hosts.ENV_TRANSFER_HOST
 
 
 def transfer_host(coordinator: str | None, environ: Any = None) -> str:
     """The address of this host that the job's other tasks reach it at.
 
-    ``DTENSOR_TRANSFER_HOST`` when set; loopback for a job whose coordinator is
-    on loopback (one machine); otherwise the local address of the interface
-    that routes to the coordinator (what the coordinator's peers on other
-    hosts see), found without sending anything. ``gethostname()`` is not
-    used: on many machines (Debian's ``/etc/hosts``, containers) it resolves
-    to a loopback address no other host can reach.
+    ``DTENSOR_INTERFACE`` (an address or an interface name) when set; in a
+    job, the address :func:`dtensor.initialize` chose and printed for this
+    process (never loopback when the job spans hosts: see
+    :mod:`dtensor.runtime.hosts`); otherwise loopback for a coordinator on
+    loopback, else the local end of the route to the coordinator.
+    ``gethostname()`` is not used: on many machines (Debian's
+    ``/etc/hosts``, containers) it resolves to a loopback address no other
+    host can reach.
 
     Examples:
         >>> transfer_host("127.0.0.1:1234")
         '127.0.0.1'
-        >>> transfer_host("10.0.0.7:1234", environ={"DTENSOR_TRANSFER_HOST": "10.0.0.9"})
+        >>> transfer_host("10.0.0.7:1234", environ={"DTENSOR_INTERFACE": "10.0.0.9"})
         '10.0.0.9'
     """
-    environ = os.environ if environ is None else environ
-    if environ.get(ENV_TRANSFER_HOST):
-        return str(environ[ENV_TRANSFER_HOST])
+    forced = hosts.forced_address(environ)
+    if forced:
+        return forced
+    chosen = hosts.chosen_address()
+    if chosen is not None:
+        return chosen
     if coordinator is None:
         return "127.0.0.1"
     host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]")
-    if host in _LOOPBACK:
+    if hosts.is_loopback(host):
         return "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, int(port or 9)))  # UDP: picks the route, sends nothing
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    return hosts.route_source(host, int(port or 9)) or hosts.default_route_address() or "127.0.0.1"
 
 
 def _bind(host: str) -> str:
