@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-latest lint demo bench docs docs-notebooks clean
+.PHONY: install test test-extended test-latest lint demo bench docs docs-notebooks clean
 
 # The newest end of the supported range: the newest CPython here (3.12+) with the newest
 # jax/jaxlib/flax/optax/orbax releases and the libtpu that jax pins.
@@ -20,9 +20,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The suite but for the tests marked `extended` (tests/conftest.py says which and why).
 test: install
 	@$(PY) -c "import sys, jax; print('make test:', sys.executable, 'Python', sys.version.split()[0], 'jax', jax.__version__)"
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
+
+# The `extended` tests (more topologies, sizes and repetitions of what make test checks, and
+# the multi-minute process paths); CI runs them after make test.
+test-extended: install
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m extended
 
 $(VENV_LATEST)/.installed: pyproject.toml
 	@test -n "$(LATEST_PY)" || { echo "make test-latest needs CPython >= 3.12"; exit 1; }
@@ -31,13 +37,13 @@ $(VENV_LATEST)/.installed: pyproject.toml
 	$(VENV_LATEST)/bin/python -m pip install -q --upgrade -e '.[test]' $(NEWEST)
 	touch $@
 
-# The whole suite again on the newest end of the range (a second venv).
+# make test's suite again on the newest end of the range (a second venv).
 test-latest: $(VENV_LATEST)/.installed
 	@$(VENV_LATEST)/bin/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as o; \
 	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
 	        'flax', flax.__version__, 'optax', optax.__version__)"
 	$(VENV_LATEST)/bin/python .ci/check_newest.py $(NEWEST)
-	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
 
 lint: install
 	$(VENV)/bin/ruff check dtensor strategies tests examples benchmarks

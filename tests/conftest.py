@@ -56,3 +56,72 @@ def gcs(gcs_emulator: Emulator, monkeypatch: pytest.MonkeyPatch, tmp_path, reque
     monkeypatch.chdir(work)
     yield fresh_url(request.node.name)
     assert not (work / "gs:").exists(), "a gs:// URL was written to local disk as ./gs:"
+
+
+# ------------------------------------------------------- what `make test` leaves to CI
+# `make test` (the README's command) runs everything but these; `make test-extended` runs
+# them, and .ci/run runs both. Each repeats what a test in `make test` already checks at
+# another size, topology or repetition count, or spends minutes of processes on one path;
+# none is skipped anywhere (CI's run of .ci/run is where they run). A node id here names a
+# test function (all its parameters) or one parameter of it; one that no longer names a
+# collected test fails the collection, so a rename cannot drop a test from both commands.
+EXTENDED = {
+    # the other two GPU topologies (h100:1x8 stays; one host, two hosts, two slices)
+    "tests/test_gpu.py::test_every_preset_compiles_for_gpu[h100:2x8]": "topology",
+    "tests/test_gpu.py::test_every_preset_compiles_for_gpu[h100:2x2x8]": "topology",
+    # the TPU presets on one topology in make test (v5e:4x4, one slice)
+    "tests/test_tpu.py::test_every_preset_compiles_for_tpu[v5e:4x4-2]": "topology",
+    "tests/test_tpu.py::test_every_preset_compiles_for_tpu[v4:2x2x2-1]": "topology",
+    # the decoder's block kinds x unrolled/scanned: one of each pairing stays
+    "tests/test_decoder.py::test_gemma3_and_llama_blocks_train_under_fully_sharded_as_on_one_device"
+    "[tiny-gemma3-True]": "variant",
+    "tests/test_decoder.py::test_gemma3_and_llama_blocks_train_under_fully_sharded_as_on_one_device"
+    "[tiny-llama-False]": "variant",
+    "tests/test_decoder.py::test_blocks_train_under_hybrid_tensor_parallel_as_on_one_device"
+    "[tiny-gemma3-False]": "variant",
+    "tests/test_decoder.py::test_blocks_train_under_hybrid_tensor_parallel_as_on_one_device"
+    "[tiny-llama-True]": "variant",
+    "tests/test_decoder.py::test_tiny_decoder_trains_under_fully_sharded_as_on_one_device[plain]": (
+        "variant"  # the unrolled tiny-gemma3 and tiny-llama runs above cover it
+    ),
+    "tests/test_decoder.py::test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16"
+    "_decoder[False]": "variant",
+    # minutes of compiles or processes on one path
+    "tests/test_fit.py::test_fit_finds_the_cheapest_fitting_options_and_caches_them": "minutes",
+    "tests/strategies/test_step_cache.py::test_300_runs_with_fresh_lambdas_keep_memory_bounded"
+    "_and_warn_once": "repetitions",
+    "tests/multiprocess/test_grain_resume.py::test_two_processes_in_a_bucket_resume_exactly_and_on"
+    "_one_and_four": "minutes",
+    "tests/multiprocess/test_peer_race.py::test_killed_non_coordinator_never_hangs_a_survivor_under"
+    "_load": "repetitions",
+    "tests/multiprocess/test_hosts.py::test_preemption_across_hosts_saves_one_step_to_a_bucket_and"
+    "_resumes": "minutes",
+    "tests/multiprocess/test_parameter_server.py::test_tutorial_across_processes_reaches_the_single"
+    "_process_loss": "minutes",
+    "tests/test_docs_commands.py::test_launch_without_devices_per_process_gives_2_processes_x_4"
+    "_devices": "minutes",
+    "tests/test_benchmarks.py::test_fsdp_scale_rows_on_cpu": "minutes",
+    "tests/test_benchmarks.py::test_benchmarks_write_json_and_a_plot": "minutes",
+    "tests/test_notebooks.py::test_notebook_runs[02_strategies]": "minutes",
+    "tests/test_notebooks.py::test_notebook_runs[03_checkpoint_preemption]": "minutes",
+    "tests/test_demo.py::test_demo_json_is_the_only_stdout": "variant",
+    "tests/test_demo.py::test_demo_quiet_under_the_launcher": "variant",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marker set here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: set[str] = set()
+    files = {item.nodeid.split("::")[0] for item in items}
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        for key in (item.nodeid, function):
+            if key in EXTENDED:
+                item.add_marker(pytest.mark.extended)
+                seen.add(key)
+    stale = [k for k in EXTENDED if k not in seen and k.split("::")[0] in files]
+    if stale and not any("::" in arg for arg in config.args):  # not when one test is named
+        raise pytest.UsageError(
+            f"tests/conftest.py EXTENDED names tests that were not collected: {stale}; "
+            "update the names (a renamed test must stay in one of make test / make test-extended)."
+        )

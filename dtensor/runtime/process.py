@@ -362,21 +362,13 @@ def _connect(
     )
     assert spec.process_id is not None and spec.num_processes is not None
     # one address per process that the others reach, for gloo and the transfer servers
+    client, where = compat.distributed_client(), (spec.process_id, spec.num_processes)
     placement = hosts.settle(
-        compat.distributed_client(),
-        spec.process_id,
-        spec.num_processes,
-        spec.coordinator_address,
-        timeout_s=timeout_s,
-        names=names,
+        client, *where, spec.coordinator_address, timeout_s=timeout_s, names=names
     )
     compat.use_gloo_address(placement.address)
     monitor = peers.PeerMonitor.from_env(
-        compat.distributed_client(),
-        spec.process_id,
-        spec.num_processes,
-        spec.coordinator_address,
-        heartbeat_timeout_s,
+        client, *where, spec.coordinator_address, heartbeat_timeout_s
     )
     _state.monitor = monitor
     monitor.start()
