@@ -14,15 +14,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 # ------------------------------------------- one compilation cache for the run's processes
 # The processes the tests start (the demo, dtensor.launch workers, notebooks' kernels) compile
 # the same CPU programs again and again: JAX's persistent compilation cache, one directory per
-# run, shared by the xdist workers' children. It is read from the environment when a process
-# imports jax, so it applies to those children and not to the test processes themselves (jax is
-# imported above): their TPU/GPU compiles for libtpu/XLA:GPU topologies cannot be read back from
-# the cache without a device client and would only warn. Removed at exit by whoever made it.
+# run, shared by the xdist workers' children (a process reads it from the environment when it
+# imports jax). Not in the test processes themselves: their TPU/GPU compiles for libtpu/XLA:GPU
+# topologies cannot be read back from the cache without a device client (JAX warns and compiles
+# again), so whether a test warned would depend on which test compiled the same program first.
+# Removed at exit by whoever made it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dtensor-tests-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", None)  # this process: no persistent cache
 
 # Scripts that tests start as real processes are not test modules (and set up JAX
 # their own way at import): keep them out of collection, doctests included.
