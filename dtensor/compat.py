@@ -174,9 +174,12 @@ def distributed_timeouts(**timeouts: int) -> dict[str, Any]:
     import inspect
 
     try:
-        accepted = set(inspect.signature(jax.distributed.initialize).parameters)
+        parameters = inspect.signature(jax.distributed.initialize).parameters
     except (TypeError, ValueError):  # no signature to read: pass what JAX 0.10 takes
         return dict(timeouts)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(timeouts)  # a wrapper taking **kwargs passes them on
+    accepted = set(parameters)
     dropped = sorted(set(timeouts) - accepted)
     if dropped:
         warnings.warn(
