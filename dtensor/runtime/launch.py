@@ -5,9 +5,9 @@
 Each process gets the environment of the launcher plus ``DTENSOR_COORDINATOR``
 (``127.0.0.1:<free port>``), ``DTENSOR_NUM_PROCESSES``, ``DTENSOR_PROCESS_ID``
 and, if asked, ``DTENSOR_DEVICES_PER_PROCESS``, which :func:`dtensor.initialize`
-reads; ``JAX_PLATFORMS=cpu`` if unset on a machine with no TPU or GPU device
-files (:func:`~dtensor.runtime.platform.default_platforms`). Their output is streamed
-with a ``[rank i]`` prefix on every line. The launcher's exit status is the
+reads; ``JAX_PLATFORMS=cpu`` if unset where there are no TPU or GPU device files
+(:func:`~dtensor.runtime.platform.default_platforms`). Their output is streamed with a
+``[rank i]`` prefix on every line. The launcher's exit status is the
 first non-zero one of its processes (``128 + signal`` for a process killed by
 a signal, ``124`` on timeout), a cause preferred over the
 :data:`~dtensor.runtime.exit_codes.EXIT_PEER_LOST` of a process that only
@@ -23,8 +23,7 @@ running then, get SIGTERM to their own pids, then SIGKILL after ``grace_s``.
 (SIGTERM is left for real preemption notices: JAX's preemption notifier
 catches it in a joined process.)
 
-It is how multi-host code is tried on one machine, and how dtensor's own
-multi-process tests run.
+It is how multi-host code is tried on one machine, and how dtensor's own tests run it.
 """
 
 from __future__ import annotations
@@ -288,8 +287,7 @@ def launch(
     port = free_port(host) if port is None else port
     base = dict(os.environ)
     base.update(env or {})
-    platforms = default_platforms(base)
-    if platforms is not None:
+    if (platforms := default_platforms(base)) is not None:
         base["JAX_PLATFORMS"] = platforms
     base["PYTHONUNBUFFERED"] = "1"
     base[ENV_COORDINATOR] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -423,8 +421,8 @@ def _note(out: IO[str], lock: threading.Lock, message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dtensor.launch",
-        description="Start N local processes of one JAX job (coordinator on 127.0.0.1). "
-        "JAX_PLATFORMS is kept if set, else cpu on a machine with no TPU/GPU device files.",
+        description="Start N local processes of one JAX job (coordinator on 127.0.0.1; "
+        "JAX_PLATFORMS kept if set, else cpu where there are no TPU/GPU device files).",
     )
     p.add_argument(
         "--host",
