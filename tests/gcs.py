@@ -85,13 +85,18 @@ def emulator(data_dir: Path, *, timeout_s: float = 60.0) -> Iterator[Emulator]:
         port = int(port_file.read_text())
         yield Emulator(f"http://127.0.0.1:{port}", data_dir, proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
         log.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a process this test run started: SIGTERM to its pid, SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def fresh_url(name: str) -> str:

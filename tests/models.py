@@ -133,3 +133,16 @@ def deep_mlp_step(layers: int, width: int = 16384):
     batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
     step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     return step, (model, optimizer, batch)
+
+
+def abstract_block_step(batch: int = 64):
+    """The transformer :class:`Block` with Adam, built abstractly, its LM step and a token batch:
+    ``(step, (model, optimizer, batch))`` for ahead-of-time compiles on TPU/GPU topologies."""
+
+    def build():
+        model = Block(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    tokens = {k: jax.ShapeDtypeStruct((batch, SEQ), jnp.int32) for k in ("x", "y")}
+    return make_train_step(lm_loss), (model, optimizer, tokens)

@@ -19,7 +19,7 @@ from dtensor.gpu import topology as gpu_topology_module
 from dtensor.gpu.specs import GPUS, gpu_spec, memory_fraction
 from dtensor.gpu.topology import GPU_MODELS, GpuTopologyError, parse_gpu_topology, target_config
 from dtensor.tpu import aot
-from tests.models import SEQ, Block, deep_mlp_step, lm_loss, make_train_step
+from tests.models import abstract_block_step, deep_mlp_step, make_train_step
 from tests.test_aot import DEMO
 
 GIB = 1 << 30
@@ -146,13 +146,7 @@ def test_too_large_for_a_gpu_under_mirrored_fits_fully_sharded():
 # --------------------------------------------------- presets, compiled for GPU
 @pytest.fixture(scope="module")
 def abstract_block():
-    def build():
-        model = Block(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    batch = {k: jax.ShapeDtypeStruct((64, SEQ), jnp.int32) for k in ("x", "y")}
-    return make_train_step(lm_loss), (model, optimizer, batch)
+    return abstract_block_step(64)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from dtensor.analysis.memory import (
     padded_bytes,
 )
 from dtensor.tpu.topology import TopologyError
-from tests.models import SEQ, Block, deep_mlp_step, lm_loss, make_train_step
+from tests.models import abstract_block_step, deep_mlp_step
 
 TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1)]
 GIB = 1 << 30
@@ -165,13 +165,7 @@ def test_padded_bytes_follows_tpu_tiles():
 # --------------------------------------------------- presets, compiled for TPU
 @pytest.fixture(scope="module")
 def abstract_block():
-    def build():
-        model = Block(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    batch = {k: jax.ShapeDtypeStruct((64, SEQ), jnp.int32) for k in ("x", "y")}
-    return make_train_step(lm_loss), (model, optimizer, batch)
+    return abstract_block_step(64)
 
 
 def _argument_bytes(report) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dtensor.runtime.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
-from tests.gcs import BUCKET
+from tests.gcs import BUCKET, stop
 from tests.gcs import _command as emulator_command
 from tests.hosts import HostsUnavailable, TwoHosts, finish, two_hosts
 from tests.models import rel_err
@@ -129,7 +129,9 @@ def test_parameter_server_job_with_workers_on_another_host_completes_and_converg
     assert got["completed"] == 40 and got["step"] == 40, _report(done)
     assert sum(got["per_worker"]) == 40 and all(n > 0 for n in got["per_worker"])
     assert max(got["staleness"]) <= 2 and got["bytes"] > 0
-    assert got["final"] < 1e-3 and got["losses"][-1] < 0.01 * got["losses"][0], got["final"]
+    # the job's first commit is at the initial variables, whichever closure it is (closure 0
+    # may be refused and re-run later): the largest loss is an initial one
+    assert got["final"] < 1e-3 and got["losses"][-1] < 0.01 * max(got["losses"]), got["final"]
 
 
 @pytest.mark.timeout(120)
@@ -255,9 +257,4 @@ def test_preemption_across_hosts_saves_one_step_to_a_bucket_and_resumes(hosts, t
             stepped = [ln.split()[1] for ln in out.splitlines() if ln.startswith("STEP ")]
             assert stepped == [str(i) for i in range(7, 13)], _report(again)
     finally:
-        emulator.terminate()
-        try:
-            emulator.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            emulator.kill()
-            emulator.wait(timeout=10)
+        stop(emulator)

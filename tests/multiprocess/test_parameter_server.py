@@ -106,7 +106,8 @@ def test_tutorial_across_processes_reaches_the_single_process_loss(tmp_path) -> 
     assert local["step"] == 40
     # asynchronous updates from 2 workers, staleness <= 2: the same regression converges as far
     assert got["final"] < 1e-3 and local["final"] < 1e-3, (got["final"], local["final"])
-    assert got["losses"][-1] < 0.01 * got["losses"][0]
+    # against the loss at the initial variables: the job's closure 0 may be refused and re-run
+    assert got["losses"][-1] < 0.01 * local["losses"][0]
 
     # the chief checkpointed the ps variables at the end; a new job resumes from them
     resumed = run_ps("--steps", "0", "--restore", directory)
@@ -184,7 +185,9 @@ def test_two_ps_tasks_split_the_variables_by_the_partitioner_over_the_network_pa
     local = single_process_result(40, "--partition", "--adam")
     # the same schedule of 40 Adam steps, stale by <= 1: within 25% of the single-process loss
     assert got["final"] < 1.25 * local["final"] + 1e-4, (got["final"], local["final"])
-    assert got["final"] < 0.01 * got["losses"][0]
+    # and far below the loss at the initial variables (the local run's first closure; the
+    # job's closure 0 is the held one, refused and re-run on later variables)
+    assert got["final"] < 0.01 * local["losses"][0], (got["final"], local["losses"][0])
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ changes nothing: the step still matches single-device JAX.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,7 +17,12 @@ from flax import nnx
 import dtensor
 import strategies
 from strategies.placement.slices import slice_count
-from tests.models import SEQ, Block, deep_mlp_step, lm_loss, make_train_step, rel_err
+from tests.models import (
+    abstract_block_step,
+    deep_mlp_step,
+    make_train_step,
+    rel_err,
+)
 from tests.strategies.test_conformance import MODELS, TOL, reference
 
 
@@ -109,16 +113,6 @@ def test_errors(two_slices):
         strategies.HybridStrategy(data=-1, across_slices="tensor")
 
 
-def _abstract_block_step():
-    def build():
-        model = Block(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    batch = {k: jax.ShapeDtypeStruct((16, SEQ), jnp.int32) for k in ("x", "y")}
-    return make_train_step(lm_loss), (model, optimizer, batch)
-
-
 _SIZES = {"data": dict(data=-1, fsdp=4), "fsdp": dict(data=1, fsdp=8)}
 
 
@@ -135,7 +129,7 @@ def _dcn(rep):
 
 def test_explain_dcn_collective_kinds(two_slices):
     """A transformer block (embedding, attention, MLP, head) on the TPU compiler."""
-    out = _reports(two_slices, *_abstract_block_step())
+    out = _reports(two_slices, *abstract_block_step(16))
     # "data": only the gradient all-reduces between the two replicas cross DCN; every
     # gather and reduce-scatter of fsdp stays within a slice.
     dcn = _dcn(out["data"])
