@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Global batch (sequences) by model size where it is not ``--batch``: MaxText's
-#: ``per_device_batch_size=1`` over the 64 chips of v5p:4x4x4.
-BATCH: dict[str, int] = {"llama2-70b": 64}
+#: ``per_device_batch_size=1`` over the 64 chips of v5p:4x4x4 (the 512 of v5p:8x8x8).
+BATCH: dict[str, int] = {"llama2-70b": 64, "llama3.1-405b": 512}
 
 #: MaxText's own peak per chip (arguments + outputs - aliased + temporaries + code) for the
 #: same model, topology and global batch (seq 1024): maxtext 0.2.5 ``train_compile`` with its
@@ -19,6 +19,8 @@ MAXTEXT_GIB: dict[tuple[str, str], float] = {
     ("llama2-70b", "v5p:4x4x4"): 21.16,
     # 2 slices of v5p-64 (data over DCN, fsdp 32 within each): issue 30, libtpu 0.0.50.
     ("llama2-70b", "2 x v5p:4x4x2"): 42.77,
+    # v5p-1024 = v5p:8x8x8, one slice, 512 x 1024: issue 30, libtpu 0.0.52.
+    ("llama3.1-405b", "v5p:8x8x8"): 25.66,
 }
 
 #: The side-by-side rows (``--maxtext``): each MaxText configuration under our presets.
@@ -40,10 +42,11 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
     # Two slices joined by DCN: which axis spans them (HybridStrategy(across_slices=...)).
     ("llama2-70b", "2 x v5p:4x4x2", "hybrid across data + bf16 + remat + scan"),
     ("llama2-70b", "2 x v5p:4x4x2", "hybrid across fsdp + bf16 + remat + scan"),
+    ("llama3.1-405b", "v5p:8x8x8", "bf16 + remat + scan"),
 ]
 
 #: The order ``--maxtext`` measures them in (the targets most in doubt first).
-MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2, 10, 11]
+MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2, 10, 11, 12]
 
 
 #: how the options are written in the README's table

@@ -94,8 +94,9 @@ class DecoderConfig:
 BLOCKS = ("gemma", "gemma3", "llama")
 
 
-#: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b`` are the
-#: public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of those blocks, for tests.
+#: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b``,
+#: ``llama3.1-405b`` are the public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of
+#: those blocks, for tests.
 CONFIGS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(
         vocab=128, d_model=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffw=128
@@ -139,6 +140,19 @@ CONFIGS: dict[str, DecoderConfig] = {
         kv_heads=8,
         head_dim=128,
         ffw=28672,
+        block="llama",
+    ),
+    # Llama 3.1 405B (MaxText's llama3.1-405b; its rotary base 500,000, the long-context
+    # rotary scaling left out: it changes no shape).
+    "llama3.1-405b": DecoderConfig(
+        vocab=128256,
+        d_model=16384,
+        layers=126,
+        heads=128,
+        kv_heads=8,
+        head_dim=128,
+        ffw=53248,
+        rope_base=500_000.0,
         block="llama",
     ),
     "tiny-gemma3": DecoderConfig(

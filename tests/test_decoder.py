@@ -264,6 +264,9 @@ def test_published_parameter_counts_by_eval_shape():
         "llama2-7b": 6_738_415_616,
         "llama2-70b": 68_976_648_192,
         "gemma3-12b": (1_012e6 + 10_759e6),
+        # Llama 3.1 405B (Llama Team 2024, Table 3: 126 layers, 16,384 wide, 128 heads, 8 KV
+        # heads, FFN 53,248, vocabulary 128,000 + 256 special tokens; the Hugging Face count)
+        "llama3.1-405b": 405_853_388_800,
     }
     for name, want in published.items():
         cfg = CONFIGS[name].replace(scan=True)

@@ -5,7 +5,7 @@
 The chief prints ``RESULT {json}``: the losses, the final loss on the whole
 data set, and the coordinator's statistics. ``--kill-worker K`` makes worker
 0 SIGKILL itself while reading its K-th batch, inside a closure (once: see
-``--marker``);
+``--marker``), and worker 1 then waits for the restarted worker 0 to read a batch;
 ``--die ps`` makes the ps task SIGKILL itself 3 s after it starts serving.
 ``--hold DIR`` forces a stale commit, by event and not by timing: worker 0,
 having read the variables, holds its first batch until worker 1 has read 3
@@ -94,6 +94,8 @@ def dataset_fn(ctx):
                 n += 1
                 if flags.hold:
                     hold(ctx.input_pipeline_id, n)
+                if flags.kill_worker and flags.marker:
+                    rejoin(ctx.input_pipeline_id)
                 if (
                     flags.kill_worker == n
                     and ctx.input_pipeline_id == 0
@@ -105,6 +107,18 @@ def dataset_fn(ctx):
                 yield x[i : i + 16], y[i : i + 16]
 
     return batches()
+
+
+def rejoin(worker: int) -> None:
+    """``--kill-worker``: once worker 0 was killed, worker 1 waits for its restarted self to
+    read a batch (by event, not by timing: the restart may take seconds on a loaded machine)."""
+    back = flags.marker + ".back"
+    if worker == 0 and os.path.exists(flags.marker):
+        open(back, "w").close()
+    elif worker == 1 and os.path.exists(flags.marker):
+        deadline = time.monotonic() + 60  # a restart that never comes fails the test, later
+        while not os.path.exists(back) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def hold(worker: int, n: int) -> None:
