@@ -11,7 +11,9 @@ BATCH: dict[str, int] = {"llama2-70b": 64}
 #: MaxText's own peak per chip (arguments + outputs - aliased + temporaries + code) for the
 #: same model, topology and global batch (seq 1024): maxtext 0.2.5 ``train_compile`` with its
 #: defaults (float32 weights, bfloat16 compute, full remat, scanned layers, AdamW, fsdp over
-#: every chip), jax 0.12.0.1 + libtpu 0.0.52, measured on this machine (issue 22; JAX-NOTES.md).
+#: every chip), jax 0.12.0.1 + libtpu 0.0.52, measured on this machine (issue 22; JAX-NOTES.md)
+#: and again by :mod:`benchmarks.maxtext_side` (``results/maxtext_side.json``, held equal by
+#: ``tests/test_maxtext_side.py``), which adds MaxText's step-time floor.
 MAXTEXT_GIB: dict[tuple[str, str], float] = {
     ("2b", "v5e:4x4"): 4.24,
     ("7b", "v5e:4x4"): 10.65,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -242,6 +243,11 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
         # copy, as explain does. These are the bytes of the copies after the first.
         "async_repeat_bytes_per_device": repeated,
         "ici_seconds_without_repeats": (by_network["ici"] - repeated) / chip.ici_bytes_per_s,
+        # libtpu's collective matmuls (windowed einsums: a loop of collective-permutes
+        # beside the matmul's blocks), as while loops in the HLO
+        "collective_matmul_loops": len(
+            re.findall(r"body=%?(?:wide\.)?windowed_dot_general_body", hlo_text)
+        ),
         "collectives": len(collectives),
     }
 
