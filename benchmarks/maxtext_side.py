@@ -52,43 +52,35 @@ LIBTPU_DIRS = {"0.0.52": Path(os.environ.get("LIBTPU_0052", "/work/.libtpu-0.0.5
 #: grid step); a cached compile with another is traced again for its FLOPs.
 FLOPS_VERSION = 2
 
-_COMMON = ("per_device_batch_size=1", "max_target_length=1024", "compile_topology_num_slices=1")
+Row = tuple[str, str, tuple[str, ...], str | None]
+
+
+def _row(
+    size: str,
+    topology: str,
+    model: str,
+    target: str,
+    slices: int = 1,
+    libtpu: str | None = "0.0.52",
+) -> Row:
+    overrides = (f"model_name={model}", f"compile_topology={target}", "per_device_batch_size=1")
+    return (
+        size,
+        topology,
+        (*overrides, "max_target_length=1024", f"compile_topology_num_slices={slices}"),
+        libtpu,
+    )
+
 
 #: ``(size, topology as the side-by-side table writes it, MaxText overrides, libtpu)``;
 #: a libtpu of ``None`` is the venv's own (0.0.50.1 beside jax 0.12.0.1).
-ROWS: list[tuple[str, str, tuple[str, ...], str | None]] = [
-    ("2b", "v5e:4x4", ("model_name=gemma-2b", "compile_topology=v5e-16", *_COMMON), "0.0.52"),
-    ("7b", "v5e:4x4", ("model_name=gemma-7b", "compile_topology=v5e-16", *_COMMON), "0.0.52"),
-    (
-        "gemma3-12b",
-        "v5e:4x4",
-        ("model_name=gemma3-12b", "compile_topology=v5e-16", *_COMMON),
-        "0.0.52",
-    ),
-    (
-        "llama2-70b",
-        "v5p:4x4x4",
-        ("model_name=llama2-70b", "compile_topology=v5p-128", *_COMMON),
-        "0.0.52",
-    ),
-    (
-        "llama2-70b",
-        "2 x v5p:4x4x2",
-        (
-            "model_name=llama2-70b",
-            "compile_topology=v5p-64",
-            "per_device_batch_size=1",
-            "max_target_length=1024",
-            "compile_topology_num_slices=2",
-        ),
-        None,
-    ),
-    (
-        "llama3.1-405b",
-        "v5p:8x8x8",
-        ("model_name=llama3.1-405b", "compile_topology=v5p-1024", *_COMMON),
-        "0.0.52",
-    ),
+ROWS: list[Row] = [
+    _row("2b", "v5e:4x4", "gemma-2b", "v5e-16"),
+    _row("7b", "v5e:4x4", "gemma-7b", "v5e-16"),
+    _row("gemma3-12b", "v5e:4x4", "gemma3-12b", "v5e-16"),
+    _row("llama2-70b", "v5p:4x4x4", "llama2-70b", "v5p-128"),
+    _row("llama2-70b", "2 x v5p:4x4x2", "llama2-70b", "v5p-64", slices=2, libtpu=None),
+    _row("llama3.1-405b", "v5p:8x8x8", "llama3.1-405b", "v5p-1024"),
 ]
 
 #: The driver the MaxText venv runs: ``driver.py REPO OUT_DIR override...``.
@@ -291,9 +283,7 @@ def model_flops_of(size: str, topology: str, devices: int) -> float | None:
     return None if cfg is None else model_flops(cfg, devices, 1024)
 
 
-def compile_row(
-    row: tuple[str, str, tuple[str, ...], str | None], *, venv: Path, cache: Path, timeout: float
-) -> dict[str, Any]:
+def compile_row(row: Row, *, venv: Path, cache: Path, timeout: float) -> dict[str, Any]:
     """Run the driver for one row in the MaxText venv (unless its cache holds the compile);
     ``{"error": ...}`` when it fails or runs past ``timeout`` seconds."""
     size, topology, overrides, libtpu = row
@@ -329,7 +319,7 @@ def compile_row(
     return {"cached": cached, "wall_seconds": wall}
 
 
-def result_row(row: tuple[str, str, tuple[str, ...], str | None], out: Path) -> dict[str, Any]:
+def result_row(row: Row, out: Path) -> dict[str, Any]:
     """A results row from a row's cache folder (the driver's files): what it compiled, with
     :func:`analyse`'s figures."""
     size, topology, overrides, _ = row
@@ -390,29 +380,37 @@ def by_row(payload: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     }
 
 
-def table_rows(payload: dict[str, Any]) -> list[list[str]]:
-    """The printed table: one line a row, a failed row with its error."""
+def ours_best(fsdp_scale: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """Our lowest step-time floor per ``(size, topology)`` in ``fsdp_scale.json``'s rows.
+
+    Examples:
+        >>> rows = [{"size": "2b", "topology": "v5e:4x4", "step_time_floor_seconds": s}
+        ...         for s in (0.2, 0.1, None)]
+        >>> ours_best({"rows": rows})
+        {('2b', 'v5e:4x4'): 0.1}
+    """
+    best: dict[tuple[str, str], float] = {}
+    for r in fsdp_scale.get("rows", []):
+        floor, key = r.get("step_time_floor_seconds"), (r["size"], r["topology"])
+        if floor and (key not in best or floor < best[key]):
+            best[key] = floor
+    return best
+
+
+def table_rows(payload: dict[str, Any], ours: dict[tuple[str, str], float]) -> list[list[str]]:
+    """The printed table: one line a row (``ours``: our lowest floor for it), a failed row
+    with its error."""
     out = []
     for r in payload.get("rows", []):
         if not r.get("step_time_floor_seconds"):
-            out.append(
-                [
-                    r["size"],
-                    r["topology"],
-                    r.get("libtpu") or "—",
-                    "—",
-                    "—",
-                    "—",
-                    "—",
-                    "—",
-                    r.get("error", "")[:60],
-                ]
-            )
+            out.append([r["size"], r["topology"], r.get("libtpu") or "—"] + ["—"] * 6)
+            out[-1].append(r.get("error", "")[:60])
             continue
         f = r["step_floor"]
         terms = f"{f['compute_seconds'] * 1e3:.0f} / {f['ici_seconds'] * 1e3:.0f} / " + (
             f"{f['dcn_seconds'] * 1e3:.0f}" if f.get("dcn_seconds") else "0"
         )
+        mine = ours.get((r["size"], r["topology"]))
         out.append(
             [
                 r["size"],
@@ -423,13 +421,17 @@ def table_rows(payload: dict[str, Any]) -> list[list[str]]:
                 f"{r['mfu_ceiling']:.0%}",
                 terms,
                 f["bound"],
+                "—" if mine is None else f"{mine * 1e3:.0f} ms",
                 f"{r['compile_seconds']:.0f} s",
             ]
         )
     return out
 
 
-def print_results(payload: dict[str, Any]) -> None:
+def print_results(payload: dict[str, Any], out_dir: Path) -> None:
+    """The rich table, with our lowest floor per row from ``fsdp_scale.json`` beside it."""
+    path = out_dir / "fsdp_scale.json"
+    ours = ours_best(load(path if path.exists() else common.RESULTS / "fsdp_scale.json"))
     common.print_table(
         "MaxText 0.2.5's own train step, read by our floor code",
         [
@@ -441,9 +443,10 @@ def print_results(payload: dict[str, Any]) -> None:
             "MFU ceiling",
             "compute / ICI / DCN ms",
             "bound",
+            "ours (lowest)",
             "compile",
         ],
-        table_rows(payload),
+        table_rows(payload, ours),
     )
 
 
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures = result_row(row, out)
             payload = merge(payload, figures)
             common.write_json("maxtext_side", payload, args.out)
-    print_results(payload)
+    print_results(payload, args.out)
     return 0
 
 
