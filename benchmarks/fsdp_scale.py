@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if args.markdown:
-        mine = {"maxtext": side_by_side, "slices": slices_table}
+        side = (args.out or common.RESULTS) / "maxtext_side.json"  # MaxText's floors
+        theirs = json.loads(side.read_text()) if side.exists() else None
+        mine = {"maxtext": lambda p: side_by_side(p, theirs), "slices": slices_table}
         name = "fsdp_scale" if args.markdown in mine else results_name([args.markdown])
         payload = json.loads(((args.out or common.RESULTS) / f"{name}.json").read_text())
         printer = mine.get(args.markdown)

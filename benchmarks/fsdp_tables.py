@@ -11,7 +11,9 @@ BATCH: dict[str, int] = {"llama2-70b": 64, "llama3.1-405b": 512}
 #: MaxText's own peak per chip (arguments + outputs - aliased + temporaries + code) for the
 #: same model, topology and global batch (seq 1024): maxtext 0.2.5 ``train_compile`` with its
 #: defaults (float32 weights, bfloat16 compute, full remat, scanned layers, AdamW, fsdp over
-#: every chip), jax 0.12.0.1 + libtpu 0.0.52, measured on this machine (issue 22; JAX-NOTES.md).
+#: every chip), jax 0.12.0.1 + libtpu 0.0.52, measured on this machine (issue 22; JAX-NOTES.md)
+#: and again by :mod:`benchmarks.maxtext_side` (``results/maxtext_side.json``, held equal by
+#: ``tests/test_maxtext_side.py``), which adds MaxText's step-time floor.
 MAXTEXT_GIB: dict[tuple[str, str], float] = {
     ("2b", "v5e:4x4"): 4.24,
     ("7b", "v5e:4x4"): 10.65,
@@ -151,14 +153,24 @@ def markdown(payload: dict[str, Any], topology: str) -> str:
     return "\n".join(out)
 
 
-def side_by_side(payload: dict[str, Any]) -> str:
-    """The MaxText side-by-side table (Markdown) from the results' rows (``—``: not measured)."""
+def side_by_side(payload: dict[str, Any], maxtext: dict[str, Any] | None = None) -> str:
+    """The MaxText side-by-side table (Markdown) from the results' rows (``—``: not measured).
+
+    ``maxtext``: the payload of ``maxtext_side.json`` (:mod:`benchmarks.maxtext_side`),
+    MaxText's own program read by our floor code; its floor (with what bounds it) and
+    MFU ceiling fill the last two columns.
+    """
     gib = float(1 << 30)
     rows = {(r["size"], r["topology"], r["option"]): r for r in payload["rows"]}
+    theirs = {
+        (r["size"], r["topology"]): r
+        for r in (maxtext or {}).get("rows", [])
+        if r.get("step_time_floor_seconds")
+    }
     out = [
         "| model | topology | global batch | MaxText peak per chip | ours: options | peak per chip "
-        "| vs MaxText | step-time floor | MFU ceiling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vs MaxText | step-time floor | MFU ceiling | MaxText's floor | MaxText's MFU ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, topology, option in MAXTEXT_ROWS:
         ref = MAXTEXT_GIB[(size, topology)]
@@ -179,9 +191,18 @@ def side_by_side(payload: dict[str, Any]) -> str:
             f"| {size} | {topology} | {batch} x {payload.get('seq_len', 1024)} | {ref:.2f} GiB "
             f"| {OPTION_TEXT.get(option, option)} | {ours} | {ratio} "
             f"| {'—' if not floor else f'{floor * 1e3:.0f} ms'} "
-            f"| {'—' if not mfu else f'{mfu:.0%}'} |"
+            f"| {'—' if not mfu else f'{mfu:.0%}'} | {_maxtext_floor(theirs.get((size, topology)))} |"
         )
     return "\n".join(out)
+
+
+def _maxtext_floor(row: dict[str, Any] | None) -> str:
+    """MaxText's floor and MFU ceiling cells: ``163 ms (ICI) | 37%`` (``— | —`` unmeasured)."""
+    if not row:
+        return "— | —"
+    mfu = row.get("mfu_ceiling")
+    floor = f"{row['step_time_floor_seconds'] * 1e3:.0f} ms ({row['step_floor']['bound']})"
+    return f"{floor} | {'—' if not mfu else f'{mfu:.0%}'}"
 
 
 def slices_table(payload: dict[str, Any]) -> str:

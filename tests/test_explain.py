@@ -522,6 +522,28 @@ def test_while_trip_count_read_from_the_loop_condition(compare):
     assert c.count == 7
 
 
+SPLIT_CALL = """  %kernel = f32[4]{0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x",
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, metadata={op_name="splash"}
+"""
+
+
+def test_an_instruction_spanning_lines_keeps_its_computation():
+    """libtpu 0.0.50+ prints a custom call's backend_config with newlines (MaxText's splash
+    attention): the lines after it still belong to the computation, so the while loop and
+    the collectives in its body keep their trip count."""
+    text = LOOP_HLO.replace("COMPARE", "compare(%i, %n), direction=LT")
+    text = text.replace("  %c0 = s32[] constant(0)\n", SPLIT_CALL + "  %c0 = s32[] constant(0)\n")
+    text = text.replace("  %cp = ", SPLIT_CALL.replace("%a", "%x") + "  %cp = ")
+    assert text.count("\n}}, metadata") == 2
+    comps, entry = computations(text)
+    assert [i.opcode for i in comps["main"]][-3:] == ["tuple", "while", "get-tuple-element"]
+    assert "custom-call" in [i.opcode for i in comps["body"]]
+    assert multipliers(comps, entry)["body"] == 7
+    (c,) = parse_collectives(text, None, num_devices=2)
+    assert (c.kind, c.count) == ("collective-permute", 7)
+
+
 def test_byte_helpers():
     assert dtype_bits("bf16") == 16 and dtype_bits("f8e4m3fn") == 8 and dtype_bits("pred") == 8
     assert array_bytes("s4", (3,)) == 2 and array_bytes("f32", ()) == 4

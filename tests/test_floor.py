@@ -52,6 +52,34 @@ def test_matmul_flops_count_every_scan_iteration_as_unrolled():
     assert matmul_flops(jax.make_jaxpr(jax.grad(rematted, (0, 1)))(w, x)) == 4 * 6 * 2 * 4 * 32 * 32
 
 
+def test_matmul_flops_count_shard_map_bodies_per_device_and_pallas_kernels_per_grid_step():
+    """MaxText's splash attention: a Pallas kernel (one block's matmuls) inside a shard_map
+    (one device's share); both count as the whole program's matmuls."""
+    from jax.experimental import pallas as pl
+    from jax.sharding import PartitionSpec as P
+
+    x, w = jnp.zeros((16, 8)), jnp.zeros((8, 4))
+    whole = 2 * 16 * 4 * 8
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    local = jax.shard_map(
+        lambda x, w: x @ w, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"), axis_names={"a"}
+    )
+    assert matmul_flops(jax.make_jaxpr(local)(x, w)) == whole
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] @ w_ref[...]
+
+    blocks = pl.pallas_call(
+        kernel,
+        grid=(4,),
+        in_specs=[pl.BlockSpec((4, 8), lambda i: (i, 0)), pl.BlockSpec((8, 4), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((4, 4), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((16, 4), jnp.float32),
+        interpret=True,
+    )
+    assert matmul_flops(jax.make_jaxpr(blocks)(x, w)) == whole
+
+
 def test_tpu_report_has_a_floor_and_an_mfu_ceiling():
     devices = dtensor.tpu_topology("v5e:2x2")
     mesh = dtensor.create_mesh([("x", 4)], devices=devices)

@@ -18,8 +18,10 @@ The floor is the larger of
 
 The FLOPs are counted on the step's jaxpr, every ``dot_general`` at
 ``2 * output elements * contracted size``: the forward pass, the backward
-pass and the rematerialised recomputation each appear there, and a scanned
-body counts ``length`` times. (libtpu's ``cost_analysis()`` counts a loop's
+pass and the rematerialised recomputation each appear there, a scanned
+body counts ``length`` times, a ``shard_map`` body (one device's) once per
+device of its manual axes and a Pallas kernel (one grid step's) once per
+grid step, masked blocks included. (libtpu's ``cost_analysis()`` counts a loop's
 body once, and its ``optimal_seconds`` came out negative for a scanned
 Gemma step, so it is not used.) Elementwise work and the time a matmul
 waits for memory are left out: the floor errs low.
@@ -110,7 +112,7 @@ def _flops(jaxpr: Any) -> float:
             out = eqn.outvars[0].aval.shape
             total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
             continue
-        times = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+        times = _repeats(eqn)
         subs = []
         for value in eqn.params.values():
             for item in value if isinstance(value, tuple | list) else (value,):
@@ -122,6 +124,23 @@ def _flops(jaxpr: Any) -> float:
         else:
             total += times * sum(_flops(s) for s in subs)
     return total
+
+
+def _repeats(eqn: Any) -> int:
+    """How many times an equation's inner jaxprs run, in units of the whole program: a
+    scan's ``length``; a ``shard_map`` body is one device's share (times the devices of
+    its newly manual axes); a ``pallas_call`` kernel body is one grid step's (times the
+    grid: Splash attention's matmuls, for one)."""
+    name = eqn.primitive.name
+    if name == "scan":
+        return int(eqn.params.get("length", 1))
+    if name == "shard_map":
+        sizes = dict(getattr(eqn.params.get("mesh"), "shape", {}) or {})
+        return math.prod(int(sizes.get(a, 1)) for a in eqn.params.get("newly_manual_axes", ()))
+    if name == "pallas_call":
+        grid = getattr(eqn.params.get("grid_mapping"), "grid", ()) or ()
+        return math.prod(int(g) for g in grid if isinstance(g, int))
+    return 1
 
 
 def step_floor(

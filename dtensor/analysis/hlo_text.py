@@ -232,12 +232,32 @@ def groups_to_axes(
 
 
 # ---------------------------------------------------------------------- parsing
+def _logical_lines(text: str) -> list[str]:
+    """The lines of HLO text, an instruction that spans several joined into one.
+
+    Inside a computation every instruction line is indented and only its closing ``}``
+    is not; a line there that starts at column 0 continues the instruction before it
+    (a custom call's ``backend_config`` can hold newlines: splash attention's
+    ``xprof_metadata`` in libtpu 0.0.50 and later).
+    """
+    out: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        if inside and out and line and not line[0].isspace() and line.rstrip() != "}":
+            out[-1] += " " + line
+            continue
+        out.append(line)
+        if line and not line[0].isspace():
+            inside = line.rstrip().endswith("{") and not line.startswith("HloModule")
+    return out
+
+
 def computations(text: str) -> tuple[dict[str, list[Instr]], str | None]:
     """The instructions of each computation of an HLO module, and the entry computation's name."""
     comps: dict[str, list[Instr]] = {}
     entry = None
     current: list[Instr] | None = None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         if not line.strip() or line.startswith("HloModule"):
             continue
         if not line[0].isspace():
