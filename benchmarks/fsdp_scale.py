@@ -76,6 +76,13 @@ OPTIONS: dict[str, list[str]] = {
     "bf16 + remat": ["--mixed-precision", "bf16", "--remat"],
     "bf16 + remat + gather at reads": ["--mixed-precision", "bf16", "--remat", "--gather-at-reads"],
     "bf16 + remat + scan": ["--mixed-precision", "bf16", "--remat", "--scan"],
+    "bf16 + remat + scan + gather layers": [
+        "--mixed-precision",
+        "bf16",
+        "--remat",
+        "--scan",
+        "--gather-layers",
+    ],
     "bf16 + remat + scan + offload": [
         "--mixed-precision",
         "bf16",

@@ -45,10 +45,14 @@ MAXTEXT_ROWS: list[tuple[str, str, str]] = [
     ("llama2-70b", "2 x v5p:4x4x2", "hybrid across data + bf16 + remat + scan"),
     ("llama2-70b", "2 x v5p:4x4x2", "hybrid across fsdp + bf16 + remat + scan"),
     ("llama3.1-405b", "v5p:8x8x8", "bf16 + remat + scan"),
+    # FullyShardedStrategy(gather_layers=True): each scanned layer gathered in the loop body.
+    ("llama2-70b", "v5p:4x4x4", "bf16 + remat + scan + gather layers"),
+    ("llama3.1-405b", "v5p:8x8x8", "bf16 + remat + scan + gather layers"),
+    ("7b", "v5e:4x4", "bf16 + remat + scan + gather layers"),
 ]
 
 #: The order ``--maxtext`` measures them in (the targets most in doubt first).
-MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2, 10, 11, 12]
+MAXTEXT_ORDER = [3, 4, 5, 6, 7, 8, 1, 0, 2, 10, 11, 12, 13, 14, 15]
 
 
 #: how the options are written in the README's table
@@ -64,6 +68,8 @@ OPTION_TEXT = {
     "bf16 + remat + scan": "`MixedPrecision()` + `remat=(Block,)`, layers in `nnx.scan`",
     "bf16 + remat + scan (libtpu 0.0.52)": "`MixedPrecision()` + `remat=(Block,)` + scan, on "
     "libtpu 0.0.52 (MaxText's)",
+    "bf16 + remat + scan + gather layers": "`MixedPrecision()` + `remat=(Block,)` + scan + "
+    "`gather_layers=True`",
     "bf16 + remat + scan + offload": "`MixedPrecision()` + `remat=(Block,)` + scan + "
     "`offload_optimizer=True`",
     **{

@@ -74,6 +74,11 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         help="FSDP: gather_at_read=True (the default on CPU only)",
     )
     p.add_argument(
+        "--gather-layers",
+        action="store_true",
+        help="FSDP, XLA's plan, --remat --scan: gather each scanned layer inside the loop body",
+    )
+    p.add_argument(
         "--model-remat",
         action="store_true",
         help="with --remat: the decoder's own nnx.remat per block instead of the preset's remat=(Block,)",
@@ -185,6 +190,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
         ("xla_plan", "gather_at_read", False),
         ("gather_at_reads", "gather_at_read", True),
         ("offload_optimizer", "offload_optimizer", True),
+        ("gather_layers", "gather_layers", True),
     ):
         if getattr(args, flag):
             ok = accepts(cls, option)
@@ -226,6 +232,8 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
         if "offload_optimizer" in wanted:
             applied["offload_optimizer"] = "not available"
             wanted.pop("offload_optimizer")
+        if getattr(args, "gather_layers", False):  # HybridStrategy does it with remat=
+            applied["gather_layers"] = "strategy (HybridStrategy's plan with remat=)"
         strategy = cls(
             slices,
             len(devices) // slices // tensor,

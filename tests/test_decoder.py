@@ -68,6 +68,29 @@ def test_tiny_decoder_trains_under_fully_sharded_as_on_one_device(variant):
         assert np.linalg.norm(np.asarray(a) - b) <= tol * np.linalg.norm(b)
 
 
+def test_gather_layers_trains_the_scanned_decoder_as_on_one_device():
+    """``FullyShardedStrategy(gather_layers=True)`` (XLA's plan, remat=(Block,), nnx.scan):
+    each layer gathered in the loop body, its gradient constrained back to its split."""
+    cfg = CONFIGS["tiny-llama"].replace(scan=True)
+    batches = _batches(cfg)
+    want, want_params = _reference(cfg, batches)
+    s = strategies.FullyShardedStrategy(
+        min_shard_bytes=0, gather_at_read=False, remat=(Block,), gather_layers=True
+    )
+    assert s.read_options().layer_gather
+    with s.scope():
+        model, opt = _build(cfg)
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    have = jax.device_get(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
+        assert np.linalg.norm(np.asarray(a) - b) <= 3e-5 * np.linalg.norm(b)
+    with pytest.raises(ValueError, match=r"gather_layers=True\) shapes XLA's plan.*remat=None"):
+        strategies.FullyShardedStrategy(gather_at_read=False, gather_layers=True)
+    with pytest.raises(ValueError, match=r"gather_at_read=True"):
+        strategies.FullyShardedStrategy(gather_at_read=True, remat=(Block,), gather_layers=True)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16_decoder(monkeypatch, scan):
     """MixedPrecision + remat=(Block,) on the preset = the decoder built with dtype=bf16 + remat.

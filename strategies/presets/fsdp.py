@@ -60,6 +60,17 @@ class FullyShardedStrategy(Strategy):
         offload_optimizer: keep optimizer state (paths under ``opt_state``)
             in host memory (``pinned_host``) between steps.
         min_shard_bytes: variables smaller than this stay replicated.
+        gather_layers: under XLA's plan (``gather_at_read=False``) with
+            ``remat=``: each layer of a scanned stack (``nnx.scan``) is
+            gathered whole inside the loop body after its cast (a sharding
+            constraint; its gradient constrained back to the layer's split),
+            as MaxText's scanned layers are, instead of XLA casting whole
+            stacked kernels ahead of the loop. Measured (AOT, AdamW, bf16 +
+            remat + scan, ``benchmarks/results/fsdp_scale.json``): it lowers
+            Llama 2 70B on v5p:4x4x4 and raises a Gemma-7B-shaped decoder's
+            collectives on v5e:4x4, so it is off by default and
+            ``python -m dtensor.aot --fit`` compiles both and keeps the one
+            with the lower step-time floor.
         gather_at_read: ``True`` gathers each sharded weight where it is read
             (reduce-scattered gradient, reshard and remat as above); ``False``
             leaves the plan to XLA's SPMD partitioner. ``None`` (the default)
@@ -103,6 +114,7 @@ class FullyShardedStrategy(Strategy):
         offload_optimizer: bool = False,
         min_shard_bytes: int = 16 << 10,
         gather_at_read: bool | None = None,
+        gather_layers: bool = False,
     ) -> None:
         if min_shard_bytes < 0:
             raise ValueError(
@@ -113,6 +125,15 @@ class FullyShardedStrategy(Strategy):
         if gather_at_read is None:  # by the compiler of the platform the step runs on
             gather_at_read = devices[0].platform == "cpu"
         self.gather_at_read = bool(gather_at_read)
+        self.gather_layers = bool(gather_layers)
+        if self.gather_layers and (self.gather_at_read or not remat):
+            raise ValueError(
+                f"FullyShardedStrategy(gather_layers=True) shapes XLA's plan for scanned layers "
+                f"under remat=, but got gather_at_read={self.gather_at_read} (on "
+                f"{devices[0].platform}) and remat={remat!r}. Pass gather_at_read=False and "
+                "remat=(YourBlock,), or drop gather_layers (gathers at reads already gather "
+                "each layer)."
+            )
         self.reshard_after_forward = bool(reshard_after_forward)
         self.remat = check_remat(remat)
         self.remat_policy = remat_policy
@@ -151,4 +172,5 @@ class FullyShardedStrategy(Strategy):
             remat_policy=self._policy,
             mixed_precision=self.mixed_precision,
             batch_axes=() if self.gather_at_read else self.batch_axes,
+            layer_gather=self.gather_layers,
         )
