@@ -22,6 +22,7 @@ def test_ladder_order_and_flag_merging():
         "as given",
         "bf16",
         "bf16 + remat",
+        "bf16 compute + remat",
         "bf16 + remat (dots_saveable)",
         "bf16 + remat + scan",
         "bf16 + remat (dots_saveable) + scan",

@@ -178,6 +178,8 @@ def _traced(
         for path, node in found:
             if isinstance(node, nnx.Module):
                 modules[tuple(path)] = node
+                if options.mixed_precision is not None:
+                    options.mixed_precision.set_module_dtype(node)
         for path, node in sorted(found, key=lambda item: _sort_key(item[0])):
             if not isinstance(node, nnx.Variable):
                 continue

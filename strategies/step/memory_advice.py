@@ -100,5 +100,12 @@ def memory_advice(strategy: Any) -> str:
                 tips.append(by_model[option])
         elif getattr(strategy, option, off) in (off, ()):
             tips.append(tip)
+    mp = getattr(strategy, "mixed_precision", None)
+    if mp is not None and not getattr(mp, "module_dtype", True):
+        tips.append(
+            "MixedPrecision(module_dtype=True) (bfloat16 arithmetic and activations in modules "
+            "whose dtype attribute pins float32, as Flax's own Gemma's do; bf16 reads alone "
+            "keep float32 activations there)"
+        )
     tips += ["a smaller batch per chip", "more chips (the sharded state divides by their number)"]
     return "Try " + "; ".join(tips) + "."
