@@ -7,10 +7,11 @@ order that costs least first:
 1. the options as given;
 2. ``--mixed-precision bf16`` (float32 master variables, bfloat16 reads);
 3. ``--remat`` (recompute each repeated block in the backward pass), then
+   the cheaper-to-run remat policy ``--remat-policy dots_saveable`` (saves
+   the matmul outputs: less recomputation, more memory), then
    ``--mixed-precision bf16-compute`` (``MixedPrecision(module_dtype=True)``:
    bfloat16 arithmetic in modules that pin float32 compute, as Flax's own
-   Gemma does), then the cheaper-to-run remat policy ``--remat-policy
-   dots_saveable`` (saves the matmul outputs: less recomputation, more memory);
+   Gemma does);
 4. ``--scan`` (the layers in one ``nnx.scan``: one compiled layer);
 5. ``--offload-optimizer`` (optimizer state in host memory);
 6. the next preset: ``--strategy hybrid --tensor N`` (Megatron tensor
@@ -82,8 +83,8 @@ def ladder(argv: Sequence[str]) -> list[Rung]:
         Rung("as given", ()),
         Rung("bf16", bf16),
         Rung("bf16 + remat", remat),
-        Rung("bf16 compute + remat", ("--mixed-precision", "bf16-compute", "--remat")),
         Rung("bf16 + remat (dots_saveable)", (*remat, "--remat-policy", "dots_saveable"), True),
+        Rung("bf16 compute + remat", ("--mixed-precision", "bf16-compute", "--remat")),
         Rung("bf16 + remat + scan", scan),
         Rung(
             "bf16 + remat (dots_saveable) + scan",

@@ -76,7 +76,16 @@ class MixedPrecision:
         return value.astype(self.param_dtype)
 
     def set_module_dtype(self, module: Any) -> None:
-        """With ``module_dtype``: ``module.dtype`` to ``param_dtype`` where it is a wider float."""
+        """With ``module_dtype``: ``module.dtype`` to ``param_dtype`` where it is a wider float.
+
+        Examples:
+            >>> import strategies, jax.numpy as jnp
+            >>> from flax import nnx
+            >>> layer = nnx.Linear(2, 2, dtype=jnp.float32, rngs=nnx.Rngs(0))
+            >>> strategies.MixedPrecision(module_dtype=True).set_module_dtype(layer)
+            >>> layer.dtype
+            dtype(bfloat16)
+        """
         if not self.module_dtype:
             return
         dtype = getattr(module, "dtype", None)
