@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         now = {r["option"] for r in got["rows"]}
         got["rows"] = [r for r in old if r["option"] not in now] + got["rows"]
     payload = {"topology": TOPOLOGY, "global_batch": [BATCH, SEQ], "script": str(SCRIPT), **got}
+    payload["libtpu"] = metadata.version("libtpu")
+    payload["flax_examples"] = f"flax {metadata.version('flax')} sdist, examples/gemma"
     common.write_json("flax_gemma", payload, args.out)
     _print(payload)
 

@@ -97,7 +97,7 @@ def train_step(model: Any, optimizer: Any, batch: dict[str, Any]) -> Any:
 def _options() -> Any:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        import options
+        import options  # pyright: ignore[reportMissingImports]
     finally:
         sys.path.remove(str(ROOT / "examples"))
     return options
