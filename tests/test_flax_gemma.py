@@ -8,6 +8,7 @@ target, when it was not (and skip on a flax whose sdist has no pinned sha256).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -49,25 +50,30 @@ def _reference(cfg, batches):
     return [float(step(model, opt, b)) for b in batches], nnx.state(model, nnx.Param)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_flax_gemma_trains_under_fully_sharded_as_on_one_device(remat):
+@pytest.mark.parametrize("plan", ["xla", "xla-remat", "gather-remat"])
+def test_flax_gemma_trains_under_fully_sharded_as_on_one_device(plan):
     _, modules, _ = fg.flax_gemma()
     cfg = fg.config("tiny")
     batches = _batches()
     want, want_params = _reference(cfg, batches)
-    # XLA's plan, as on TPU (Flax's ScaledEmbed has its own __call__, so the
-    # gather-at-read plan falls back to it on CPU with a warning).
+    # "xla": XLA's plan, as on TPU; "gather": each weight gathered at its read (CPU's
+    # default), Flax's ScaledEmbed (its own __call__) reaching the lookup through super().
     s = strategies.FullyShardedStrategy(
-        min_shard_bytes=0, gather_at_read=False, remat=(modules.Block,) if remat else ()
+        min_shard_bytes=0,
+        gather_at_read=plan.startswith("gather"),
+        remat=(modules.Block,) if plan.endswith("remat") else (),
     )
     with s.scope():
         model, opt = fg.build(cfg)
-    got = [float(s.run(fg.train_step, args=(model, opt, b))) for b in batches]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to XLA's plan
+        got = [float(s.run(fg.train_step, args=(model, opt, b))) for b in batches]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[-1] < got[0]
     have = jax.device_get(nnx.state(model, nnx.Param))
     for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
         assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
+    assert type(model.embedder) is modules.ScaledEmbed  # the user's objects keep their class
 
 
 def test_module_dtype_computes_as_the_model_built_in_bf16():
