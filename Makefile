@@ -49,6 +49,7 @@ test-latest: $(VENV_LATEST)/.installed
 	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
 	        'flax', flax.__version__, 'optax', optax.__version__)"
 	$(VENV_LATEST)/bin/python .ci/check_newest.py $(NEWEST)
+	$(VENV_LATEST)/bin/python -m benchmarks.third_party --if-pinned
 	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
 
 lint: install

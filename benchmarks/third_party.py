@@ -1,6 +1,7 @@
 """Third-party model code the benchmarks run unchanged, fetched at install time (never vendored).
 
     python -m benchmarks.third_party          # what `make third-party` runs
+    python -m benchmarks.third_party --if-pinned   # make test-latest: skip an unpinned flax
 
 Flax's own Gemma (``examples/gemma`` of the Flax repository) ships in the
 flax sdist on PyPI. :func:`fetch` downloads the sdist of the *installed* flax
@@ -123,4 +124,8 @@ def fetch(version: str | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    print(fetch())
+    # --if-pinned (make test-latest, on the newest flax): only a flax whose sdist is pinned
+    if "--if-pinned" in sys.argv[1:] and flax_version() not in FLAX_SDIST_SHA256:
+        print(f"flax {flax_version()}: no pinned sdist sha256; Flax's Gemma tests will skip")
+    else:
+        print(fetch())

@@ -110,7 +110,6 @@ EXTENDED = {
     # Flax's Gemma: the remat=(Block,) runs of both plans stay in make test
     "tests/test_flax_gemma.py::test_flax_gemma_trains_under_fully_sharded_as_on_one_device"
     "[xla]": "variant",
-    "tests/test_flax_gemma.py::test_tiny_compiles_for_tpu_with_bf16_compute_and_remat": "topology",
     "tests/test_demo.py::test_demo_quiet_under_the_launcher": "variant",
 }
 

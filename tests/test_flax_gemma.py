@@ -121,3 +121,17 @@ def test_docs_show_the_flax_gemma_table_from_its_json(doc, capsys):
     payload = json.loads((ROOT / "benchmarks" / "results" / "flax_gemma.json").read_text())
     assert len(table) == len(payload["rows"]) + 2  # header, rule, one line a row
     assert payload["fit"]["best"] is None or any(payload["fit"]["best"] in line for line in table)
+    # the prose after the table quotes each row's peak and floor as the JSON has them
+    prose = " ".join(lines[i + len(table) : i + len(table) + 20])
+    for r in payload["rows"]:
+        assert f"{r['peak_bytes_per_chip'] / 2**30:.2f} GiB" in prose, r["option"]
+        if r.get("step_time_floor_seconds"):
+            assert f"{r['step_time_floor_seconds'] * 1e3:.0f} ms" in prose, r["option"]
+
+
+def test_explain_advice_for_the_preset_as_given_names_module_dtype():
+    argv = ["--strategy", "fully_sharded", "--model-size", "tiny", "--batch-size", "8"]
+    strategy, _, _ = fg.aot_step(
+        [*argv, "--mixed-precision", "bf16", "--remat"], devices=jax.devices()[:8]
+    )
+    assert "MixedPrecision(module_dtype=True)" in strategy.memory_advice()
