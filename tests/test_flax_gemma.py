@@ -135,3 +135,13 @@ def test_explain_advice_for_the_preset_as_given_names_module_dtype():
         [*argv, "--mixed-precision", "bf16", "--remat"], devices=jax.devices()[:8]
     )
     assert "MixedPrecision(module_dtype=True)" in strategy.memory_advice()
+
+
+def test_missing_or_unpinned_code_names_the_make_target(monkeypatch, tmp_path):
+    monkeypatch.setattr(third_party, "cache_dir", lambda version=None: tmp_path)
+    with pytest.raises(third_party.MissingThirdParty, match=r"run `make third-party`"):
+        third_party.gemma_dir()
+    with pytest.raises(
+        third_party.MissingThirdParty, match=r"no sha256 pinned for the flax 0\.0\.1"
+    ):
+        third_party.fetch("0.0.1")
