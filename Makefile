@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-extended test-latest lint demo bench docs docs-notebooks clean
+.PHONY: install third-party test test-extended test-latest lint demo bench docs docs-notebooks clean
 
 # The newest end of the supported range: the newest CPython here (3.12+) with the newest
 # jax/jaxlib/flax/optax/orbax releases and the libtpu that jax pins.
@@ -20,14 +20,20 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Flax's own examples/gemma from the sdist of the installed flax (sha256-pinned in
+# benchmarks/third_party.py), into $(VENV)/share/flax-examples/ (a no-op once there): never
+# at test time.
+third-party: install
+	@$(PY) -m benchmarks.third_party
+
 # The suite but for the tests marked `extended` (tests/conftest.py says which and why).
-test: install
+test: install third-party
 	@$(PY) -c "import sys, jax; print('make test:', sys.executable, 'Python', sys.version.split()[0], 'jax', jax.__version__)"
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
 
 # The `extended` tests (more topologies, sizes and repetitions of what make test checks, and
 # the multi-minute process paths); CI runs them after make test.
-test-extended: install
+test-extended: install third-party
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m extended
 
 $(VENV_LATEST)/.installed: pyproject.toml
@@ -43,6 +49,7 @@ test-latest: $(VENV_LATEST)/.installed
 	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
 	        'flax', flax.__version__, 'optax', optax.__version__)"
 	$(VENV_LATEST)/bin/python .ci/check_newest.py $(NEWEST)
+	$(VENV_LATEST)/bin/python -m benchmarks.third_party --if-pinned
 	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
 
 lint: install
@@ -54,7 +61,7 @@ lint: install
 demo: install
 	$(PY) examples/train.py $(ARGS)
 
-bench: install
+bench: install third-party
 	$(PY) -m benchmarks.run_all
 
 # The documentation site, warnings as errors: docs/_build/html/index.html. No network.

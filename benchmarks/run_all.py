@@ -1,5 +1,5 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
-coordinator, tpu_presets, gpu_presets and fsdp_scale (skipped with ``--quick``).
+coordinator, tpu_presets, gpu_presets, fsdp_scale and flax_gemma (skipped with ``--quick``).
 
     python -m benchmarks.run_all [--quick] [--out DIR]
 
@@ -29,12 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     peers.main([*(QUICK_TIMED if args.quick else []), *out])
     plot.main(["--results", str(args.out or common.RESULTS)])
     if not args.quick:
-        from . import coordinator, fsdp_scale, gpu_presets, tpu_presets
+        from . import coordinator, flax_gemma, fsdp_scale, gpu_presets, tpu_presets
 
         coordinator.main(["--out", str((args.out or common.RESULTS) / "coordinator.json")])
         tpu_presets.main(out)
         gpu_presets.main(out)
         fsdp_scale.main(out)
+        flax_gemma.main(out)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,11 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     )
     p.add_argument(
         "--mixed-precision",
-        choices=["none", "bf16"],
+        choices=["none", "bf16", "bf16-compute"],
         default="none",
         help="bf16: float32 variables, bfloat16 reads (strategies.MixedPrecision where the preset "
-        "takes it, else the decoder casts its weight reads)",
+        "takes it, else the decoder casts its weight reads); bf16-compute: also bfloat16 "
+        "arithmetic in modules whose dtype attribute says float32 (MixedPrecision(module_dtype=True))",
     )
     p.add_argument(
         "--remat",
@@ -163,10 +164,11 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     applied: dict[str, str] = {}
     model_changes: dict[str, object] = {}
     decoder = block_cls is not None
-    if args.mixed_precision == "bf16":
+    if args.mixed_precision in ("bf16", "bf16-compute"):
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
+            extra = {"module_dtype": True} if args.mixed_precision == "bf16-compute" else {}
             wanted["mixed_precision"] = strategies.MixedPrecision(
-                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
+                param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32, **extra
             )
             applied["mixed_precision"] = "strategy"
         elif decoder:

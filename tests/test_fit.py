@@ -23,6 +23,7 @@ def test_ladder_order_and_flag_merging():
         "bf16",
         "bf16 + remat",
         "bf16 + remat (dots_saveable)",
+        "bf16 compute + remat",
         "bf16 + remat + scan",
         "bf16 + remat (dots_saveable) + scan",
         "bf16 + remat + scan + gather layers",

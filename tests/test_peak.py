@@ -118,6 +118,8 @@ def test_advice_names_what_helps_for_the_preset_in_use():
     )
     assert "remat=" not in on and "mixed_precision=" not in on and "offload_optimizer" not in on
     assert "reshard_after_forward=True" in on
+    # bf16 reads without bf16 arithmetic where a model pins float32 (Flax's Gemma)
+    assert "MixedPrecision(module_dtype=True)" in on and "module_dtype" not in default
     # Where a preset lacks an option, the model-side equivalent is named instead.
     bare = memory_advice(_FSDPWithoutOptions())
     assert "nnx.remat" in bare and "bfloat16 compute in the model" in bare

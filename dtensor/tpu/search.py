@@ -8,7 +8,10 @@ order that costs least first:
 2. ``--mixed-precision bf16`` (float32 master variables, bfloat16 reads);
 3. ``--remat`` (recompute each repeated block in the backward pass), then
    the cheaper-to-run remat policy ``--remat-policy dots_saveable`` (saves
-   the matmul outputs: less recomputation, more memory);
+   the matmul outputs: less recomputation, more memory), then
+   ``--mixed-precision bf16-compute`` (``MixedPrecision(module_dtype=True)``:
+   bfloat16 arithmetic in modules that pin float32 compute, as Flax's own
+   Gemma does);
 4. ``--scan`` (the layers in one ``nnx.scan``: one compiled layer), then,
    for ``fully_sharded``, ``--gather-layers`` (each scanned layer gathered in
    the loop body: a lower floor and peak on Llama 2 70B, a higher floor on a
@@ -84,6 +87,7 @@ def ladder(argv: Sequence[str]) -> list[Rung]:
         Rung("bf16", bf16),
         Rung("bf16 + remat", remat),
         Rung("bf16 + remat (dots_saveable)", (*remat, "--remat-policy", "dots_saveable"), True),
+        Rung("bf16 compute + remat", ("--mixed-precision", "bf16-compute", "--remat")),
         Rung("bf16 + remat + scan", scan),
         Rung(
             "bf16 + remat (dots_saveable) + scan",

@@ -37,9 +37,18 @@ class MixedPrecision:
     keep their own dtype (the master copy); integer values and non-``Param``
     state (batch-norm statistics) are left alone.
 
+    A model that pins its arithmetic to float32 (Flax's ``dtype=jnp.float32``
+    convention: each module's ``dtype`` attribute is its computation dtype, as
+    in Flax's own Gemma) computes in float32 on the bfloat16 reads, keeping
+    float32 activations. ``module_dtype=True`` also sets that attribute to
+    ``param_dtype`` on every module of the step's model that has a floating
+    one, on the objects the step traces (the user's modules are untouched).
+
     Args:
         param_dtype: the dtype parameters are computed (and gathered) in.
         reduce_dtype: the dtype gradients are reduced in.
+        module_dtype: also compute in ``param_dtype`` in modules whose
+            ``dtype`` attribute says float32.
 
     Examples:
         >>> import strategies, jax.numpy as jnp
@@ -53,6 +62,7 @@ class MixedPrecision:
 
     param_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
+    module_dtype: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _float_dtype(self.param_dtype, "param_dtype"))
@@ -64,6 +74,29 @@ class MixedPrecision:
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == self.param_dtype:
             return value
         return value.astype(self.param_dtype)
+
+    def set_module_dtype(self, module: Any) -> None:
+        """With ``module_dtype``: ``module.dtype`` to ``param_dtype`` where it is a wider float.
+
+        Examples:
+            >>> import strategies, jax.numpy as jnp
+            >>> from flax import nnx
+            >>> layer = nnx.Linear(2, 2, dtype=jnp.float32, rngs=nnx.Rngs(0))
+            >>> strategies.MixedPrecision(module_dtype=True).set_module_dtype(layer)
+            >>> layer.dtype
+            dtype(bfloat16)
+        """
+        if not self.module_dtype:
+            return
+        dtype = getattr(module, "dtype", None)
+        if dtype is None:
+            return
+        try:
+            wider = jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype) != self.param_dtype
+        except TypeError:  # not a dtype (None, or another meaning of the name)
+            return
+        if wider and np.dtype(dtype).itemsize > self.param_dtype.itemsize:
+            module.dtype = self.param_dtype
 
 
 def check_mixed_precision(value: Any) -> MixedPrecision | None:

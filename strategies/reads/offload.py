@@ -34,8 +34,13 @@ def has_host_memory(device: Any) -> bool:
 
 
 def check_host_memory(devices: Sequence[Any], what: str) -> None:
-    """Raise if some of ``devices`` have no host memory kind to offload to."""
-    missing = [d for d in devices if not has_host_memory(d)]
+    """Raise if some of ``devices`` have no host memory kind to offload to.
+
+    A device of another process (a multi-host topology's, as ``dtensor.aot``
+    compiles for) lists no memories at all; it is judged by those that do.
+    """
+    seen = [d for d in devices if _memories(d)]
+    missing = [d for d in seen or devices if not has_host_memory(d)]
     if missing:
         d = missing[0]
         raise ValueError(

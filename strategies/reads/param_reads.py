@@ -178,6 +178,8 @@ def _traced(
         for path, node in found:
             if isinstance(node, nnx.Module):
                 modules[tuple(path)] = node
+                if options.mixed_precision is not None:
+                    options.mixed_precision.set_module_dtype(node)
         for path, node in sorted(found, key=lambda item: _sort_key(item[0])):
             if not isinstance(node, nnx.Variable):
                 continue
@@ -315,10 +317,9 @@ def _swap_modules(
         inside = any(path[: len(r)] == r for r in rematted)
         named = bool(options.remat) and issubclass(base, options.remat) and not inside
         reshard = options.reshard_after_forward and path in owners and not inside
-        # An embedding lookup on Explicit axes, unless a subclass has its own __call__.
-        embed = (
-            options.gather and issubclass(base, nnx.Embed) and base.__call__ is nnx.Embed.__call__
-        )
+        # An embedding lookup on Explicit axes (a subclass's own __call__ reaches it
+        # through super(), as Flax Gemma's ScaledEmbed does).
+        embed = options.gather and issubclass(base, nnx.Embed)
         if not (named or reshard or embed):
             continue
         swaps.swap_call(

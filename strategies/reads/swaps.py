@@ -138,13 +138,21 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray)
 
 
-def _embed_call(self: Any, inputs: Any, *args: Any, out_sharding: Any = None, **kw: Any) -> Any:
+def _embed_call(self: Any, inputs: Any, out_sharding: Any = None, **kw: Any) -> Any:
     """``nnx.Embed.__call__``, its lookup laid out like batch-split ``inputs`` (Explicit axes)."""
     if out_sharding is None and isinstance(inputs, jax.Array):
         spec = jax.typeof(inputs).sharding.spec
         if any(entry is not None for entry in spec):
             out_sharding = PartitionSpec(*spec, None)
-    return nnx.Embed.__call__(self, inputs, *args, out_sharding=out_sharding, **kw)
+    return nnx.Embed.__call__(self, inputs, out_sharding=out_sharding, **kw)
+
+
+class _EmbedLookup(nnx.Embed):
+    """Placed after an ``nnx.Embed`` subclass with its own ``__call__`` (Flax Gemma's
+    ``ScaledEmbed``) in the swapped class's MRO, so its ``super().__call__`` is
+    :func:`_embed_call`."""
+
+    __call__ = _embed_call
 
 
 def spec_entry(names: tuple[str, ...]) -> Any:
@@ -189,7 +197,9 @@ def _call_class(
     stacked: tuple[int, ...] | None = None,
     sequence_axes: tuple[str, ...] = (),
 ) -> type:
-    inner = _embed_call if embed else base.__call__
+    own = embed and base.__call__ is not nnx.Embed.__call__  # a subclass's own __call__
+    inner = _embed_call if embed and not own else base.__call__
+    bases = (base, _EmbedLookup) if own else (base,)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not remat:
@@ -214,7 +224,7 @@ def _call_class(
             out = _batch_split(out, batch_axes, rows, sequence_axes)
         return out
 
-    return type(base.__name__, (base,), {"__call__": __call__, _BASE: base})
+    return type(base.__name__, bases, {"__call__": __call__, _BASE: base})
 
 
 def swap_call(

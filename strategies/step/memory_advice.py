@@ -94,6 +94,14 @@ def memory_advice(strategy: Any) -> str:
         "mixed_precision": "bfloat16 compute in the model (cast each weight read; float32 "
         "variables)",
     }
+    mp = getattr(strategy, "mixed_precision", None)
+    if mp is not None and not getattr(mp, "module_dtype", True):
+        # before offload: it costs no host traffic (Flax's Gemma 3 12B, v5e:4x4: 16.39 -> 13.44 GiB)
+        tips.append(
+            "MixedPrecision(module_dtype=True) (bfloat16 arithmetic and activations in modules "
+            "whose dtype attribute pins float32, as Flax's own Gemma's do; bf16 reads alone "
+            "keep float32 activations there)"
+        )
     for option, off, tip in options:
         if not accepts(cls, option):
             if option in by_model:

@@ -349,6 +349,18 @@ def test_offload_without_host_memory_raises():
         strategies.FullyShardedStrategy(devices=[fake], offload_optimizer=True)
 
 
+def test_offload_judges_devices_of_other_hosts_by_the_ones_that_list_memories():
+    """A multi-host topology's devices of other processes list no memories (dtensor.aot)."""
+    host = types.SimpleNamespace(kind="pinned_host")
+    ours = types.SimpleNamespace(id=0, platform="fake", addressable_memories=lambda: [host])
+    theirs = types.SimpleNamespace(id=1, platform="fake", addressable_memories=lambda: [])
+    from strategies.reads.offload import check_host_memory
+
+    check_host_memory([ours, theirs], "offload")  # no error
+    with pytest.raises(ValueError, match="offers no such memory"):
+        check_host_memory([theirs], "offload")
+
+
 # ---------------------------------------------------------------- nnx.scan stacks
 class ScanStack(nnx.Module):
     """Three MLP blocks stacked by ``nnx.vmap`` and applied by ``nnx.scan``."""

@@ -1,0 +1,147 @@
+"""Flax's own Gemma (the flax sdist's examples/gemma, unchanged) under FullyShardedStrategy.
+
+The code is fetched at install time (``make third-party``, run by ``make test``)
+into ``sys.prefix/share/flax-examples/<version>``; these tests fail, naming the
+target, when it was not (and skip on a flax whose sdist has no pinned sha256).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import strategies
+from benchmarks import flax_gemma, third_party
+from benchmarks import flax_gemma_model as fg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fetched():
+    version = third_party.flax_version()
+    if version not in third_party.FLAX_SDIST_SHA256:  # make test-latest's newest flax
+        pytest.skip(
+            f"flax {version} has no pinned sdist sha256 in benchmarks/third_party.py; Flax's "
+            f"Gemma is tested on the pinned flax {sorted(third_party.FLAX_SDIST_SHA256)} (make test)"
+        )
+    try:
+        third_party.gemma_dir()
+    except third_party.MissingThirdParty as err:
+        pytest.fail(str(err))
+
+
+def _batches(steps: int = 2, batch: int = 8, seq: int = 16):
+    """One batch ``steps`` times (the loss must fall on it)."""
+    x = np.random.default_rng(0).integers(0, 128, (batch, seq)).astype(np.int32)
+    return [{"x": x, "y": np.roll(x, -1, axis=1)}] * steps
+
+
+def _reference(cfg, batches):
+    model, opt = fg.build(cfg)
+    step = nnx.jit(fg.train_step)
+    return [float(step(model, opt, b)) for b in batches], nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("plan", ["xla", "xla-remat", "gather-remat"])
+def test_flax_gemma_trains_under_fully_sharded_as_on_one_device(plan):
+    _, modules, _ = fg.flax_gemma()
+    cfg = fg.config("tiny")
+    batches = _batches()
+    want, want_params = _reference(cfg, batches)
+    # "xla": XLA's plan, as on TPU; "gather": each weight gathered at its read (CPU's
+    # default), Flax's ScaledEmbed (its own __call__) reaching the lookup through super().
+    s = strategies.FullyShardedStrategy(
+        min_shard_bytes=0,
+        gather_at_read=plan.startswith("gather"),
+        remat=(modules.Block,) if plan.endswith("remat") else (),
+    )
+    with s.scope():
+        model, opt = fg.build(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to XLA's plan
+        got = [float(s.run(fg.train_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[-1] < got[0]
+    have = jax.device_get(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
+        assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
+    assert type(model.embedder) is modules.ScaledEmbed  # the user's objects keep their class
+
+
+def test_module_dtype_computes_as_the_model_built_in_bf16():
+    """MixedPrecision(module_dtype=True) on Flax's Gemma = Flax's own dtype=bfloat16 config."""
+    batches = _batches(1)
+    out = {}
+    for name, cfg, mp in [
+        ("module", fg.config("tiny"), strategies.MixedPrecision(module_dtype=True)),
+        ("model", fg.config("tiny", dtype=jnp.bfloat16), strategies.MixedPrecision()),
+    ]:
+        s = strategies.FullyShardedStrategy(
+            min_shard_bytes=0, gather_at_read=False, mixed_precision=mp
+        )
+        with s.scope():
+            model, opt = fg.build(cfg)
+        out[name] = [float(s.run(fg.train_step, args=(model, opt, b))) for b in batches]
+        if name == "module":  # the user's modules keep their float32 compute dtype
+            assert model.layers[0].mlp.gate_proj.dtype == jnp.float32
+    assert out["module"] == out["model"]
+
+
+def test_scan_is_refused_with_the_change_it_needs():
+    with pytest.raises(ValueError, match="Python list .* Drop --scan"):
+        fg.aot_step(["--model-size", "tiny", "--scan"], devices=jax.devices()[:8])
+
+
+def test_tiny_compiles_for_tpu_with_bf16_compute_and_remat():
+    from dtensor.tpu import aot
+
+    argv = ["--strategy", "fully_sharded", "--model-size", "tiny", "--batch-size", "4"]
+    argv += ["--seq-len", "32", "--mixed-precision", "bf16-compute", "--remat"]
+    result = aot.compile_script(ROOT / fg.__file__, argv, topology="v5e:2x2")
+    fit = result.report.memory_fit
+    assert fit is not None and fit.fits
+    assert result.report.step_time_floor_seconds
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/guides/large_models.md"])
+def test_docs_show_the_flax_gemma_table_from_its_json(doc, capsys):
+    flax_gemma.main(["--markdown"])
+    table = capsys.readouterr().out.strip().splitlines()
+    lines = (ROOT / doc).read_text().splitlines()
+    i = lines.index(table[0])
+    assert lines[i : i + len(table)] == table
+    payload = json.loads((ROOT / "benchmarks" / "results" / "flax_gemma.json").read_text())
+    assert len(table) == len(payload["rows"]) + 2  # header, rule, one line a row
+    assert payload["fit"]["best"] is None or any(payload["fit"]["best"] in line for line in table)
+    # the prose after the table quotes each row's peak and floor as the JSON has them
+    prose = " ".join(lines[i + len(table) : i + len(table) + 20])
+    for r in payload["rows"]:
+        assert f"{r['peak_bytes_per_chip'] / 2**30:.2f} GiB" in prose, r["option"]
+        if r.get("step_time_floor_seconds"):
+            assert f"{r['step_time_floor_seconds'] * 1e3:.0f} ms" in prose, r["option"]
+
+
+def test_explain_advice_for_the_preset_as_given_names_module_dtype():
+    argv = ["--strategy", "fully_sharded", "--model-size", "tiny", "--batch-size", "8"]
+    strategy, _, _ = fg.aot_step(
+        [*argv, "--mixed-precision", "bf16", "--remat"], devices=jax.devices()[:8]
+    )
+    assert "MixedPrecision(module_dtype=True)" in strategy.memory_advice()
+
+
+def test_missing_or_unpinned_code_names_the_make_target(monkeypatch, tmp_path):
+    monkeypatch.setattr(third_party, "cache_dir", lambda version=None: tmp_path)
+    with pytest.raises(third_party.MissingThirdParty, match=r"run `make third-party`"):
+        third_party.gemma_dir()
+    with pytest.raises(
+        third_party.MissingThirdParty, match=r"no sha256 pinned for the flax 0\.0\.1"
+    ):
+        third_party.fetch("0.0.1")
