@@ -68,9 +68,10 @@ class FullyShardedStrategy(Strategy):
             stacked kernels ahead of the loop. Measured (AOT, AdamW, bf16 +
             remat + scan, ``benchmarks/results/fsdp_scale.json``): it lowers
             Llama 2 70B on v5p:4x4x4 and raises a Gemma-7B-shaped decoder's
-            collectives on v5e:4x4, so it is off by default and
-            ``python -m dtensor.aot --fit`` compiles both and keeps the one
-            with the lower step-time floor.
+            collectives on v5e:4x4, so it is off by default;
+            ``python -m dtensor.aot --fit`` tries it as a rung that may run
+            faster once its search reaches the scanned rungs, keeping the
+            lower step-time floor.
         gather_at_read: ``True`` gathers each sharded weight where it is read
             (reduce-scattered gradient, reshard and remat as above); ``False``
             leaves the plan to XLA's SPMD partitioner. ``None`` (the default)
