@@ -107,6 +107,10 @@ EXTENDED = {
     "tests/test_notebooks.py::test_notebook_runs[02_strategies]": "minutes",
     "tests/test_notebooks.py::test_notebook_runs[03_checkpoint_preemption]": "minutes",
     "tests/test_demo.py::test_demo_json_is_the_only_stdout": "variant",
+    # HybridStrategy's casts: the plain hybrid run stays (tests/strategies/test_hybrid_gather.py
+    # covers its gather-at-read plan)
+    "tests/strategies/test_fsdp_options.py::test_mixed_precision_matches_single_device_with_the"
+    "_same_casts[hybrid_gather]": "variant",
     # Flax's Gemma: the remat=(Block,) runs of both plans stay in make test
     "tests/test_flax_gemma.py::test_flax_gemma_trains_under_fully_sharded_as_on_one_device"
     "[xla]": "variant",
