@@ -68,7 +68,9 @@ def gcs(gcs_emulator: Emulator, monkeypatch: pytest.MonkeyPatch, tmp_path, reque
 # test function (all its parameters) or one parameter of it; one that no longer names a
 # collected test fails the collection, so a rename cannot drop a test from both commands.
 EXTENDED = {
-    # the other two GPU topologies (h100:1x8 stays; one host, two hosts, two slices)
+    # every preset on the GPU topologies (one host, two hosts, two slices); make test keeps the
+    # GPU compiles of Mirrored, FSDP and data parallelism across hosts (tests/test_gpu.py)
+    "tests/test_gpu.py::test_every_preset_compiles_for_gpu[h100:1x8]": "topology",
     "tests/test_gpu.py::test_every_preset_compiles_for_gpu[h100:2x8]": "topology",
     "tests/test_gpu.py::test_every_preset_compiles_for_gpu[h100:2x2x8]": "topology",
     # the TPU presets on one topology in make test (v5e:4x4, one slice)
@@ -103,6 +105,9 @@ EXTENDED = {
     "tests/test_docs_commands.py::test_launch_without_devices_per_process_gives_2_processes_x_4"
     "_devices": "minutes",
     "tests/test_benchmarks.py::test_fsdp_scale_rows_on_cpu": "minutes",
+    # 30 s of a launcher waiting out its timeout (the peer-loss paths stay in make test)
+    "tests/multiprocess/test_peers.py::test_launcher_timeout_stops_joined_processes_with_their"
+    "_own_line": "minutes",
     "tests/test_benchmarks.py::test_benchmarks_write_json_and_a_plot": "minutes",
     "tests/test_notebooks.py::test_notebook_runs[02_strategies]": "minutes",
     "tests/test_notebooks.py::test_notebook_runs[03_checkpoint_preemption]": "minutes",
