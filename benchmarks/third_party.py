@@ -34,6 +34,8 @@ __all__ = [
 #: sha256 of the flax sdist on PyPI, by version. A flax upgrade adds its line here.
 FLAX_SDIST_SHA256: dict[str, str] = {
     "0.12.8": "1bb438775b967a3f1f42b9c3d4ddf1d2883cd6406589f9cecdc244634036bdc4",
+    # the newest flax (make test-latest)
+    "0.12.12": "103cc503c94219513b73027aa0e93aac408adfd3fcdfb1df85e9d147219e4896",
 }
 MAKE_TARGET = "make third-party"
 
