@@ -17,6 +17,7 @@ from dtensor.core.collectives import all_gather as all_gather
 from dtensor.core.collectives import all_reduce as all_reduce
 from dtensor.core.collectives import broadcast as broadcast
 from dtensor.core.collectives import reduce_scatter as reduce_scatter
+from dtensor.core.experts import expert_mlp as expert_mlp
 from dtensor.core.layout import UNSHARDED as UNSHARDED
 from dtensor.core.layout import Layout as Layout
 from dtensor.core.layout import LayoutError as LayoutError
@@ -69,6 +70,7 @@ __all__ = [
     "create_mesh",
     "current_mesh",
     "distribute",
+    "expert_mlp",
     "explain",
     "fetch_layout",
     "gpu_topology",

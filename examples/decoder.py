@@ -1,5 +1,5 @@
 """Gemma- and Llama-style decoders in Flax NNX, with the public shapes of Gemma 2B, 7B and
-Gemma 3 12B, and of Llama 2 7B and 70B.
+Gemma 3 12B, of Llama 2 7B and 70B, Llama 3.1 405B, and of Mixtral 8x7B (a mixture of experts).
 
 Three kinds of block (``DecoderConfig.block``): ``"gemma"`` (RMSNorm with a
 ``1 + scale`` weight, rotary position embeddings, grouped-query attention, a
@@ -15,12 +15,16 @@ Flax's own layers) computes in the dtype the weights are read in: float32, or
 bfloat16 under a preset's ``mixed_precision=strategies.MixedPrecision()``,
 which casts each read; ``remat=True`` recomputes each
 block in the backward pass (``nnx.remat``), keeping only block inputs.
+``experts=E`` (``mixtral-8x7b``, ``tiny-moe``) makes each block's MLP a routed mixture of
+``E`` experts (:class:`MoE`, dispatched by :func:`dtensor.expert_mlp`).
 
     >>> from examples.decoder import CONFIGS, param_count
     >>> round(param_count(CONFIGS["2b"]) / 1e9, 2), round(param_count(CONFIGS["7b"]) / 1e9, 2)
     (2.51, 8.54)
     >>> param_count(CONFIGS["llama2-7b"]), param_count(CONFIGS["llama2-70b"])
     (6738415616, 68976648192)
+    >>> round(param_count(CONFIGS["mixtral-8x7b"]) / 1e9, 2)   # 46.7B, 12.9B active per token
+    46.7
 
 Large sizes are for ahead-of-time compiles: build them with
 ``nnx.eval_shape(lambda: Decoder(CONFIGS["7b"], rngs=nnx.Rngs(0)))``.
@@ -40,6 +44,8 @@ __all__ = [
     "BLOCKS",
     "CONFIGS",
     "Block",
+    "Experts",
+    "MoE",
     "Decoder",
     "DecoderConfig",
     "layer_windows",
@@ -73,11 +79,22 @@ class DecoderConfig:
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan: bool = False
+    #: Mixture of experts: ``experts`` > 0 replaces each block's MLP by a routed
+    #: :class:`MoE` of that many experts (each an MLP of ``ffw``), ``experts_per_token``
+    #: chosen per token; ``aux_loss_weight`` scales the load-balancing loss in :func:`loss_fn`.
+    experts: int = 0
+    experts_per_token: int = 2
+    aux_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
         if self.block not in BLOCKS:
             raise ValueError(
                 f"DecoderConfig(block={self.block!r}) is not a block kind; valid: {BLOCKS}."
+            )
+        if self.experts and not 0 < self.experts_per_token <= self.experts:
+            raise ValueError(
+                f"DecoderConfig(experts={self.experts}, experts_per_token="
+                f"{self.experts_per_token}): each token needs 1 to {self.experts} experts."
             )
 
     def replace(self, **changes: Any) -> DecoderConfig:
@@ -170,13 +187,41 @@ CONFIGS: dict[str, DecoderConfig] = {
     "tiny-llama": DecoderConfig(
         vocab=128, d_model=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffw=128, block="llama"
     ),
+    # Mixtral 8x7B (MaxText's mixtral-8x7b): Llama blocks whose MLP is 8 experts, top-2,
+    # rotary base 1,000,000, no sliding window.
+    "mixtral-8x7b": DecoderConfig(
+        vocab=32000,
+        d_model=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffw=14336,
+        rope_base=1_000_000.0,
+        block="llama",
+        experts=8,
+        experts_per_token=2,
+    ),
+    "tiny-moe": DecoderConfig(
+        vocab=128,
+        d_model=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        ffw=64,
+        block="llama",
+        experts=8,
+        experts_per_token=2,
+    ),
 }
 
 
 def param_count(cfg: DecoderConfig) -> int:
     """Parameters of a decoder (embeddings included; counted once where they are tied)."""
     d, h, k, hd, f = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffw
-    block = 2 * d + d * h * hd * 2 + d * k * hd * 2 + 3 * d * f
+    mlp = 3 * d * f if not cfg.experts else cfg.experts * (3 * d * f + d)  # experts + router
+    block = 2 * d + d * h * hd * 2 + d * k * hd * 2 + mlp
     if cfg.block == "gemma3":
         block += 2 * d + 2 * hd  # post-attention and post-MLP norms; query and key norms
     embeddings = cfg.vocab * d * (1 if cfg.tied else 2)
@@ -278,6 +323,57 @@ class MLP(nnx.Module):
         return h @ _read(self.down, dt)
 
 
+class Experts(nnx.Module):
+    """``experts`` gated MLPs as stacked weights ``gate``/``up`` ``[E, d, f]`` and ``down``
+    ``[E, f, d]``: under a module named ``experts``, the name HybridStrategy's expert rule
+    splits over its ``expert`` axis."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        e, d, f = cfg.experts, cfg.d_model, cfg.ffw
+        self.gate = _param(rngs, (e, d, f), d, cfg)
+        self.up = _param(rngs, (e, d, f), d, cfg)
+        self.down = _param(rngs, (e, f, d), f, cfg)
+
+
+class MoE(nnx.Module):
+    """A routed mixture of experts (Mixtral's): a float32 router picks each token's top
+    ``experts_per_token`` experts (their softmax weights renormalised over the chosen), run
+    dropless with grouped matmuls by :func:`dtensor.expert_mlp` (all-to-all dispatch over an
+    ``expert`` mesh axis). Returns the output and the Switch Transformer load-balancing loss,
+    ``E * sum_e(fraction routed to e * mean router probability of e)`` (1 when balanced)."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.router = _param(rngs, (cfg.d_model, cfg.experts), cfg.d_model, cfg)
+        self.experts = Experts(cfg, rngs)
+        self.k = cfg.experts_per_token
+        self.dtype = cfg.dtype
+        self.act = jax.nn.silu if cfg.block == "llama" else jax.nn.gelu
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        import dtensor
+
+        dt = self.dtype
+        logits = jnp.einsum("bsd,de->bse", x, _read(self.router, dt)).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, ids = jax.lax.top_k(probs, self.k)
+        weights = weights / weights.sum(-1, keepdims=True)
+        e = probs.shape[-1]
+        routed = jax.nn.one_hot(ids, e, dtype=jnp.float32).sum(-2)  # (b, s, e)
+        fraction = routed.mean((0, 1)) / self.k
+        aux = e * jnp.sum(fraction * probs.mean((0, 1)))
+        ex = self.experts
+        y = dtensor.expert_mlp(
+            x,
+            ids,
+            weights.astype(x.dtype),
+            _read(ex.gate, dt),
+            _read(ex.up, dt),
+            _read(ex.down, dt),
+            activation=self.act,
+        )
+        return y, aux
+
+
 class Block(nnx.Module):
     """One pre-norm decoder layer: attention then MLP, each with a residual (Gemma 3: each
     output normed too). ``window``/``base``: a Gemma 3 layer's attention window and rotary base."""
@@ -286,7 +382,10 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.mlp = MLP(cfg, rngs)
+        if cfg.experts:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
         if cfg.block == "gemma3":
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
@@ -297,15 +396,19 @@ class Block(nnx.Module):
         positions: jax.Array,
         window: jax.Array | None = None,
         base: jax.Array | None = None,
-    ) -> jax.Array:
+    ) -> Any:
         y = self.attn(self.attn_norm(x), positions, window, base)
         if hasattr(self, "post_attn_norm"):
             y = self.post_attn_norm(y)
         x = x + y
-        y = self.mlp(self.mlp_norm(x))
+        aux = None
+        if hasattr(self, "moe"):  # an MoE block returns its load-balancing loss too
+            y, aux = self.moe(self.mlp_norm(x))
+        else:
+            y = self.mlp(self.mlp_norm(x))
         if hasattr(self, "post_mlp_norm"):
             y = self.post_mlp_norm(y)
-        return x + y
+        return x + y if aux is None else (x + y, aux)
 
 
 def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -321,6 +424,15 @@ def _run_block(
     block: Block, x: jax.Array, positions: jax.Array, window: Any = None, base: Any = None
 ) -> jax.Array:
     return block(x, positions, window, base)
+
+
+def _step_block(run: Any, block: Block, carry: Any, *args: Any) -> Any:
+    """One layer on ``carry``: ``x``, or ``(x, aux loss so far)`` for MoE blocks."""
+    if isinstance(carry, tuple):
+        x, aux = carry
+        x, layer_aux = run(block, x, *args)
+        return x, aux + layer_aux
+    return run(block, carry, *args)
 
 
 def layer_windows(cfg: DecoderConfig) -> tuple[jax.Array, jax.Array] | None:
@@ -354,7 +466,9 @@ class Decoder(nnx.Module):
         if not cfg.tied:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab), cfg.d_model, cfg)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, with_aux: bool = False) -> Any:
+        """Logits; with ``with_aux``, ``(logits, aux)``: the MoE load-balancing loss averaged
+        over layers (0 without experts)."""
         cfg = self.cfg
         embed = _read(self.embed, cfg.dtype)
         x = lookup(embed, tokens)
@@ -363,29 +477,33 @@ class Decoder(nnx.Module):
         positions = jnp.arange(tokens.shape[-1])
         run = nnx.remat(_run_block, prevent_cse=not cfg.scan) if cfg.remat else _run_block
         per_layer = layer_windows(cfg)
+        carry: Any = (x, jnp.zeros((), jnp.float32)) if cfg.experts else x
         if cfg.scan:
             if per_layer is None:
 
                 @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
-                def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
-                    return run(block, x, positions)
+                def body(carry: Any, block: Block, positions: jax.Array) -> Any:
+                    return _step_block(run, block, carry, positions)
 
-                x = body(x, self.layers, positions)
+                carry = body(carry, self.layers, positions)
             else:
 
                 @nnx.scan(in_axes=(nnx.Carry, 0, None, 0, 0), out_axes=nnx.Carry)
-                def body_w(x: Any, block: Block, positions: Any, window: Any, base: Any) -> Any:
-                    return run(block, x, positions, window, base)
+                def body_w(carry: Any, block: Block, positions: Any, window: Any, base: Any) -> Any:
+                    return _step_block(run, block, carry, positions, window, base)
 
-                x = body_w(x, self.layers, positions, *per_layer)
+                carry = body_w(carry, self.layers, positions, *per_layer)
         else:
             for i, block in enumerate(self.blocks):
                 extra = () if per_layer is None else (per_layer[0][i], per_layer[1][i])
-                x = run(block, x, positions, *extra)
+                carry = _step_block(run, block, carry, positions, *extra)
+        x, aux = carry if cfg.experts else (carry, jnp.zeros((), jnp.float32))
         x = self.final_norm(x)
         if cfg.tied:
-            return jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
-        return jnp.einsum("bsd,dv->bsv", x, _read(self.head, cfg.dtype)).astype(jnp.float32)
+            logits = jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
+        else:
+            logits = jnp.einsum("bsd,dv->bsv", x, _read(self.head, cfg.dtype)).astype(jnp.float32)
+        return (logits, aux / cfg.layers) if with_aux else logits
 
 
 def model_flops(cfg: DecoderConfig, batch: int, seq: int) -> float:
@@ -400,7 +518,9 @@ def model_flops(cfg: DecoderConfig, batch: int, seq: int) -> float:
         188.8
     """
     d, h, k, hd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
-    matmul = cfg.layers * (2 * d * h * hd + 2 * d * k * hd + 3 * d * cfg.ffw) + cfg.vocab * d
+    # An MoE layer's matmul parameters per token: its router and the experts it runs.
+    mlp = 3 * d * cfg.ffw * (cfg.experts_per_token if cfg.experts else 1) + d * cfg.experts
+    matmul = cfg.layers * (2 * d * h * hd + 2 * d * k * hd + mlp) + cfg.vocab * d
     tokens = batch * seq
     return 6.0 * matmul * tokens + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq * tokens
 
@@ -433,5 +553,9 @@ def loss_fn(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch["x"]`` against ``batch["y"]``."""
     import optax
 
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    if not model.cfg.experts:
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    logits, aux = model(batch["x"], with_aux=True)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss + model.cfg.aux_loss_weight * aux

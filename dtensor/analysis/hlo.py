@@ -131,6 +131,15 @@ def parse_collectives(
             if ins.opcode == "send" and net is not None and _MEGASCALE in ins.rest:
                 out.extend(_dcn_transfer(ins, mults[comp], mesh_shape, net))
                 continue
+            if ins.opcode == "ragged-all-to-all":
+                # An MoE dispatch or its return: at most the smaller of its operand and result
+                # leaves each device (the larger is the buffer sized for the dropless worst
+                # case, ``n`` times the rows routed); counted as an all-to-all of that.
+                sent = min(_operand_shape(instrs, ins), ins.shape, key=_shape_elements)
+                out.extend(
+                    _collective("all-to-all", ins, sent, mults[comp], mesh_shape, num_devices, net)
+                )
+                continue
             if ins.opcode in KINDS:
                 kind, shape = _fused_reduce_scatter(comp, instrs, ins) or (ins.opcode, ins.shape)
                 out.extend(_collective(kind, ins, shape, mults[comp], mesh_shape, num_devices, net))
@@ -142,6 +151,20 @@ def parse_collectives(
         fake = "(" + ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in half) + ")"
         out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices, net))
     return out
+
+
+def _shape_elements(shape: str) -> int:
+    return sum(math.prod(d) for t, d in parse_shapes(shape) if t != "token")
+
+
+def _operand_shape(instrs: list[Instr], ins: Instr) -> str:
+    """The shape of ``ins``'s first operand (its own shape when the operand is not found)."""
+    m = re.match(r"\(\s*(?:[\w\[\],{}:()]+\s+)?%?([\w.\-]+)", ins.rest)
+    if m:
+        for other in instrs:
+            if other.name == m.group(1):
+                return other.shape
+    return ins.shape
 
 
 def _fused_reduce_scatter(comp: str, instrs: list[Instr], ins: Instr) -> tuple[str, str] | None:

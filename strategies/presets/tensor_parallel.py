@@ -36,6 +36,28 @@ _ROW = re.compile(
 _ATTN_IN = re.compile(r"^(query|key|value|q_proj|k_proj|v_proj|q|k|v)$")
 _ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
 _EMBED = re.compile(r"^(embedding|embed|wte|tok_embeddings|token_embedding)$")
+_E = "expert"
+
+
+def expert_dim(path: str, shape: Sequence[int]) -> int | None:
+    """The experts dimension of a stacked expert weight, by its path, or ``None``.
+
+    The rule: a variable of rank 3 or more with a path component ``experts``
+    (the module holding the stacked weights, as ``moe/experts/up``, or the
+    parameter's own name, as ``moe/experts``) is ``[..., experts, in, out]``:
+    its experts dimension is the third from last (a scanned stack's leading
+    layer dimension comes before it).
+
+    Examples:
+        >>> from strategies.presets.tensor_parallel import expert_dim
+        >>> expert_dim("blocks/0/moe/experts/up", (8, 64, 128)), expert_dim("layers/moe/experts/up", (2, 8, 64, 128))
+        (0, 1)
+        >>> expert_dim("blocks/0/mlp/up", (64, 128)) is None
+        True
+    """
+    if len(shape) < 3 or "experts" not in path.split("/"):
+        return None
+    return len(shape) - 3
 
 
 def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | None:
@@ -97,12 +119,23 @@ def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | N
 class HybridStrategy(Strategy):
     """A ``("data", "fsdp", "tensor")`` mesh: Megatron rules on ``tensor``, then
     FSDP on the largest remaining dimension over ``fsdp``; the batch split over
-    ``data`` and ``fsdp``.
+    ``data`` and ``fsdp``. With ``expert=E``, a ``("data", "fsdp", "expert",
+    "tensor")`` mesh for mixtures of experts.
 
     Args:
         data: data-parallel size (``-1``: whatever the devices leave).
         fsdp: fully-sharded size.
         tensor: tensor-parallel size.
+        expert: expert-parallel size. Stacked expert weights (the rule of
+            :func:`expert_dim`: rank 3 or more under a path component
+            ``experts``, ``[..., experts, in, out]``) split their experts
+            dimension over ``expert`` (and FSDP's largest other dimension over
+            ``fsdp``); every other variable is FSDP-split over ``fsdp`` and
+            ``expert`` together, as MaxText shards them; the batch is split
+            over ``data``, ``fsdp`` and ``expert``. An MoE layer dispatches
+            its tokens by calling :func:`dtensor.expert_mlp` (all-to-alls over
+            ``expert``); the rest of the model is data parallel over it. It
+            needs ``gather_at_read`` off (``None`` then means ``False``).
         rules: a :class:`dtensor.LayoutMap` (on this strategy's mesh, or
             given as ``(regex, specs)`` pairs) tried before the Megatron rules.
         min_shard_bytes: variables smaller than this are not FSDP-sharded.
@@ -180,13 +213,30 @@ class HybridStrategy(Strategy):
         remat_policy: Any = None,
         gather_at_read: bool | None = None,
         across_slices: str | None = None,
+        expert: int = 1,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
-        mesh, self.across_slices = slice_mesh(
-            [("data", data), ("fsdp", fsdp), ("tensor", tensor)], devices, across_slices
-        )
+        if not isinstance(expert, int) or expert < 1:
+            raise ValueError(
+                f"HybridStrategy(expert={expert!r}): the expert-parallel size must be a positive "
+                "integer (1: no expert axis)."
+            )
+        dims = [("data", data), ("fsdp", fsdp), ("tensor", tensor)]
+        if expert > 1:  # an axis of size 1 is left out of the mesh
+            dims.insert(2, (_E, expert))
+        mesh, self.across_slices = slice_mesh(dims, devices, across_slices)
+        self.expert = expert
+        if gather_at_read and expert > 1:
+            raise ValueError(
+                f"HybridStrategy(gather_at_read=True) needs expert=1 (got expert={expert}): "
+                "gathering at reads would gather the stacked expert weights over every batch "
+                "axis, expert included, before dtensor.expert_mlp splits them again. Pass "
+                "gather_at_read=False (or None) to leave the fsdp gathers to XLA."
+            )
         if gather_at_read is None:  # by the compiler of the platform the step runs on
-            gather_at_read = devices[0].platform == "cpu" and mesh.shape["tensor"] == 1
+            gather_at_read = (
+                devices[0].platform == "cpu" and mesh.shape["tensor"] == 1 and expert == 1
+            )
         elif gather_at_read and mesh.shape["tensor"] > 1:
             raise ValueError(
                 f"HybridStrategy(gather_at_read=True) needs tensor=1 (got tensor="
@@ -200,7 +250,8 @@ class HybridStrategy(Strategy):
         self.remat = check_remat(remat)
         self.remat_policy = remat_policy
         self._policy = remat_policy_fn(remat_policy)
-        super().__init__(mesh, batch_axes=("data", "fsdp"), mixed_precision=mixed_precision)
+        batch = ("data", "fsdp", _E) if expert > 1 else ("data", "fsdp")
+        super().__init__(mesh, batch_axes=batch, mixed_precision=mixed_precision)
         if rules is not None and not isinstance(rules, LayoutMap):
             rules = LayoutMap(mesh, rules)
         if isinstance(rules, LayoutMap) and rules.mesh != mesh:
@@ -218,6 +269,22 @@ class HybridStrategy(Strategy):
             found = self.rules.match(path)
             if found is not None:
                 return list(self.rules.layout_for(path, leaf).layout.sharding_specs), found[0]
+        dim = expert_dim(path, shape) if self.expert > 1 else None
+        if dim is not None:
+            specs = [dtensor.UNSHARDED] * len(shape)
+            if shape[dim] % self.expert:
+                self._warn_once(
+                    path,
+                    shape,
+                    f"{type(self).__name__}: variable {path} (shape {tuple(shape)}) is a stack "
+                    f"of {shape[dim]} experts (dimension {dim}), which does not divide over the "
+                    f"{_E!r} axis of size {self.expert}; its experts are replicated instead "
+                    f"(dtensor.expert_mlp will refuse them). Choose expert= dividing "
+                    f"{shape[dim]}.",
+                )
+                return specs, "expert (not divisible: replicated)"
+            specs[dim] = _E
+            return specs, "expert"
         if self.mesh.shape["tensor"] > 1:
             hit = megatron_specs(path, shape)
             if hit is not None:
@@ -246,12 +313,15 @@ class HybridStrategy(Strategy):
             f"{n}, choose a tensor-parallel size that divides {shape[d]}, or give the variable "
             "its own layout with rules=[(regex, specs)]."
         )
+        self._warn_once(path, shape, msg)
+        return msg
+
+    def _warn_once(self, path: str, shape: Sequence[int], msg: str) -> None:
         warned = self.__dict__.setdefault("_indivisible_warned", set())
         # Once per variable; an optimizer's moments of it say nothing new.
         if "opt_state" not in path.split("/") and (path, tuple(shape)) not in warned:
             warned.add((path, tuple(shape)))
             warnings.warn(msg, UserWarning, stacklevel=_user_stacklevel())
-        return msg
 
     def layout_findings(self, path: str, leaf: Any) -> list[tuple[str, str]]:
         """A ``silent-replication`` finding for a variable a Megatron rule could not split."""
@@ -269,10 +339,22 @@ class HybridStrategy(Strategy):
     def variable_layout(self, path: str, leaf: Any) -> Layout:
         specs, _ = self._tensor_specs(path, leaf)
         specs = [None if s == dtensor.UNSHARDED else s for s in specs]
+        shape = np.shape(leaf_value(leaf))
         fsdp = self.mesh.shape["fsdp"]
+        if self.expert > 1 and _E not in specs and expert_dim(path, shape) is None:
+            # Not an expert stack: FSDP over fsdp and expert together (MaxText's plan), so
+            # each of those devices keeps 1/(fsdp x expert) of the dense weights.
+            axes = ("fsdp", _E) if fsdp > 1 else _E
+            if nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
+                return Layout(shard_largest_dim(specs, shape, axes, fsdp * self.expert), self.mesh)
+            return Layout(specs, self.mesh)
         if fsdp > 1 and nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
-            specs = shard_largest_dim(specs, np.shape(leaf_value(leaf)), "fsdp", fsdp)
+            specs = shard_largest_dim(specs, shape, "fsdp", fsdp)
         return Layout(specs, self.mesh)
+
+    def kept_axes(self, path: str) -> tuple[str, ...]:
+        """Mesh axes a read of ``path`` keeps split (an expert stack keeps ``expert``)."""
+        return (_E,) if self.expert > 1 and "experts" in path.split("/") else ()
 
     def activation_bytes_min(self, state: Any, rules: Any, batch: list[Any]) -> float:
         """Megatron's per-layer activation all-reduces over ``tensor``, per device.
@@ -346,6 +428,9 @@ class HybridStrategy(Strategy):
             # sequence parallelism), so the layer inputs kept for the backward pass are not
             # copied on each ``tensor`` device (tensor=4: 27.7 -> 24.7 GiB a chip).
             sequence_axes=("tensor",) if not gather and self.mesh.shape["tensor"] > 1 else (),
+            # ... but an expert stack's layer stays split over ``expert``: dtensor.expert_mlp
+            # runs each device's experts where they are.
+            kept_axes=self.kept_axes if self.expert > 1 else None,
         )
 
     def rule_name(self, path: str, leaf: Any) -> str | None:

@@ -78,6 +78,9 @@ class ReadOptions:
     # Under XLA's plan: those ``remat=`` block inputs and outputs (rank >= 3) also split along
     # the sequence over these axes (HybridStrategy's ``tensor``): sequence parallelism.
     sequence_axes: tuple[str, ...] = ()
+    # Under ``layer_gather``: the mesh axes a variable's layer reads keep split, by its path
+    # (``"a/b/c"``); HybridStrategy's expert stacks keep ``expert``.
+    kept_axes: Callable[[str], tuple[str, ...]] | None = None
 
     @property
     def active(self) -> bool:
@@ -193,7 +196,11 @@ def _traced(
                 read = _whole_or_layer_reads(gather, key, layout.partition_spec, node, mp)
                 key += 1
             elif sharded and options.layer_gather and isinstance(layout, Layout):
-                read = _layer_gathered(layout, node, options.batch_axes, mp)
+                axes = options.batch_axes
+                if options.kept_axes is not None:
+                    kept = options.kept_axes("/".join(str(p) for p in path))
+                    axes = tuple(a for a in axes if a not in kept)
+                read = _layer_gathered(layout, node, axes, mp)
             elif mp is not None:
                 read = mp.cast
             if read is not None:

@@ -1,0 +1,285 @@
+"""Mixture-of-experts feed-forward with expert parallelism: dropless routing, grouped matmuls.
+
+:func:`expert_mlp` is the one call an MoE layer makes. Its experts are
+*stacked* weights (``[experts, d_model, hidden]`` and ``[experts, hidden,
+d_model]``); each token goes to the ``k`` experts its router chose and comes
+back weighted. Inside it:
+
+- each device sorts its own tokens by expert and runs every expert's matmul
+  on its rows at once (``jax.lax.ragged_dot``, a grouped matmul: no token is
+  dropped, no padding is computed);
+- under a mesh with an ``expert`` axis of size ``n`` the experts are split
+  over it (``n`` groups of ``experts / n``): each device sends each token row
+  to the device holding its expert and gets the results back, two all-to-alls
+  per call (``jax.lax.ragged_all_to_all`` on TPU and GPU, which moves only the
+  rows routed; on CPU, whose XLA has no ragged all-to-all, a dense
+  ``all_to_all`` of buffers padded to the dropless worst case, the same
+  values);
+- the batch stays split over the token axes (``data``, ``fsdp``, ``expert``,
+  ``context`` where the mesh has them: HybridStrategy's batch axes), so the
+  routing, sorting and exchange are per device; everything else in the
+  model stays data parallel over ``expert``.
+
+Without a mesh (or one device) it is plain single-device JAX, the same
+values (float32: equal to rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["TOKEN_AXES", "expert_mlp", "dispatch_bytes"]
+
+#: The mesh axes a token batch is split over by default (those the mesh has, in this order).
+TOKEN_AXES = ("data", "fsdp", "expert", "context")
+
+
+def expert_mlp(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    expert_weights: jax.Array,
+    w_gate: jax.Array | None,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    axis: str = "expert",
+    token_axes: Sequence[str] | None = None,
+    exchange: str | None = None,
+) -> jax.Array:
+    """Each token's routed experts' gated MLP outputs, weighted and summed.
+
+    ``out[t] = sum_j expert_weights[t, j] * down_e(act(x[t] @ gate_e) * (x[t] @ up_e))``
+    with ``e = expert_ids[t, j]`` (without ``w_gate``: ``down_e(act(x[t] @ up_e))``).
+
+    Args:
+        x: tokens, ``[..., d_model]``.
+        expert_ids: the chosen experts, ``[..., k]`` integers (the router's top-k).
+        expert_weights: their weights, ``[..., k]``.
+        w_gate, w_up: ``[experts, d_model, hidden]`` (``w_gate`` ``None``: an ungated MLP).
+        w_down: ``[experts, hidden, d_model]``.
+        activation: applied to the gate (or up) projection.
+        axis: the mesh axis the experts are split over (absent or size 1: each
+            device runs every expert on its own tokens).
+        token_axes: the mesh axes the tokens (all leading dimensions of ``x``,
+            flattened) are split over; default: those of :data:`TOKEN_AXES` the
+            current mesh has.
+        exchange: ``"ragged"`` (``jax.lax.ragged_all_to_all``) or ``"dense"``
+            (``jax.lax.all_to_all`` of buffers padded to the dropless worst
+            case); default: dense on CPU, ragged elsewhere.
+
+    Returns:
+        ``[..., d_model]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: shapes disagree, the experts do not divide over ``axis``,
+            or the tokens do not divide over the token axes (the message names
+            the sizes and the fix).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> x = jnp.ones((2, 4, 8))
+        >>> ids = jnp.zeros((2, 4, 2), jnp.int32).at[..., 1].set(3)  # experts 0 and 3
+        >>> w = jnp.full((2, 4, 2), 0.5)
+        >>> up = jnp.ones((4, 8, 16)); down = jnp.ones((4, 16, 8))
+        >>> y = dtensor.expert_mlp(x, ids, w, None, up, down, activation=lambda h: h)
+        >>> y.shape, float(y[0, 0, 0])        # 0.5 * 128 + 0.5 * 128
+        ((2, 4, 8), 128.0)
+    """
+    _check_shapes(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    lead, d = x.shape[:-1], x.shape[-1]
+    k = expert_ids.shape[-1]
+    tokens = x.reshape(-1, d)
+    ids = expert_ids.reshape(-1, k).astype(jnp.int32)
+    weights = expert_weights.reshape(-1, k)
+    mesh = _mesh()
+    names = () if mesh is None else tuple(mesh.axis_names)
+    if token_axes is None:
+        token_axes = tuple(a for a in TOKEN_AXES if a in names and mesh.shape[a] > 1)
+    token_axes = tuple(token_axes)
+    n = mesh.shape[axis] if mesh is not None and axis in names else 1
+    if mesh is None or (n == 1 and not token_axes):
+        return _local(tokens, ids, weights, w_gate, w_up, w_down, activation).reshape(*lead, d)
+    experts = w_up.shape[0]
+    if experts % n:
+        raise ValueError(
+            f"dtensor.expert_mlp: {experts} experts (w_up {tuple(w_up.shape)}) do not divide over "
+            f"the mesh axis {axis!r} of size {n} ({_mesh_text(mesh)}). Choose an expert-parallel "
+            f"size that divides {experts}."
+        )
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    if tokens.shape[0] % shards:
+        raise ValueError(
+            f"dtensor.expert_mlp: {tokens.shape[0]} tokens (x {tuple(x.shape)}) do not divide "
+            f"over the token axes {token_axes} ({shards} shards, {_mesh_text(mesh)}). Make the "
+            "batch (times the sequence) a multiple of it, or pass token_axes=."
+        )
+    if exchange is None:
+        exchange = "dense" if _platform(mesh) == "cpu" else "ragged"
+    if exchange not in ("ragged", "dense"):
+        raise ValueError(f"dtensor.expert_mlp(exchange={exchange!r}): valid are 'ragged', 'dense'.")
+    tok = P(token_axes or None)
+    ex = axis if n > 1 else None
+    gate_spec = None if w_gate is None else P(ex)
+
+    def per_device(tokens, ids, weights, w_gate, w_up, w_down):
+        if n == 1:
+            return _local(tokens, ids, weights, w_gate, w_up, w_down, activation)
+        return _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exchange)
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(tok, tok, tok, gate_spec, P(ex), P(ex)),
+        out_specs=tok,
+        check_vma=False,
+    )
+    return run(tokens, ids, weights, w_gate, w_up, w_down).reshape(*lead, d)
+
+
+def dispatch_bytes(tokens: int, k: int, d_model: int, itemsize: int, n: int) -> float:
+    """The fewest bytes one device sends over ``expert`` (size ``n``) per step for one MoE
+    layer: each of its ``tokens x k`` routed rows leaves for another device with probability
+    ``(n-1)/n`` (balanced routing) and comes back, in the forward pass and again (as
+    gradients) in the backward pass.
+
+    Examples:
+        >>> from dtensor.core.experts import dispatch_bytes
+        >>> dispatch_bytes(1024, 2, 4096, 2, 8) / 2**20   # MiB
+        56.0
+    """
+    if n <= 1:
+        return 0.0
+    return 4.0 * tokens * k * d_model * itemsize * (n - 1) / n
+
+
+# ------------------------------------------------------------------------------- per device
+
+
+def _ffn(xs, sizes, w_gate, w_up, w_down, activation):
+    up = jax.lax.ragged_dot(xs, w_up, sizes)
+    h = activation(up) if w_gate is None else activation(jax.lax.ragged_dot(xs, w_gate, sizes)) * up
+    return jax.lax.ragged_dot(h.astype(w_down.dtype), w_down, sizes)
+
+
+def _combine(rows, order, weights, dtype):
+    """Rows back in token order (``order`` sorted them), weighted and summed over ``k``."""
+    t, k = weights.shape
+    y = jnp.zeros_like(rows).at[order].set(rows).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype)).astype(dtype)
+
+
+def _local(tokens, ids, weights, w_gate, w_up, w_down, activation):
+    """Every expert on these tokens: sort the ``tokens x k`` rows by expert, grouped matmuls."""
+    experts, k = w_up.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    rows = _ffn(tokens[order // k], sizes, w_gate, w_up, w_down, activation)
+    return _combine(rows, order, weights, tokens.dtype)
+
+
+def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exchange):
+    """This device's share of experts (``w_*`` hold ``experts / n``): rows out, compute, back."""
+    local, k = w_up.shape[0], ids.shape[1]
+    n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    rows_out, d = tokens.shape[0] * k, tokens.shape[1]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted by expert, hence by receiving device
+    sent = tokens[order // k]
+    sizes = jnp.bincount(flat, length=local * n).astype(jnp.int32)
+    # Every device's counts: pair[i, j, e] rows device i sends to device j's local expert e.
+    pair = jax.lax.all_gather(sizes, axis).reshape(n, n, local)
+    per_dev = pair.sum(-1)  # [sender, receiver]
+    send, recv = per_dev[me], per_dev[:, me]
+    send_off = jnp.cumsum(send) - send
+    buffer = n * rows_out  # dropless: every row of every sender could come here
+    if exchange == "ragged":
+        land = (jnp.cumsum(per_dev, axis=0) - per_dev)[me]  # where mine land on each receiver
+        got = jax.lax.ragged_all_to_all(
+            sent, jnp.zeros((buffer, d), sent.dtype), send_off, send, land, recv, axis_name=axis
+        )
+        starts = jnp.cumsum(recv) - recv
+    else:
+        dest = jnp.repeat(jnp.arange(n), send, total_repeat_length=rows_out)
+        slot = jnp.arange(rows_out) - send_off[dest]
+        padded = jnp.zeros((n, rows_out, d), sent.dtype).at[dest, slot].set(sent)
+        got = jax.lax.all_to_all(padded, axis, 0, 0, tiled=False).reshape(buffer, d)
+        starts = jnp.arange(n) * rows_out
+    # The local expert of each received row (each sender's rows come sorted by expert,
+    # then padding, marked ``local``), and the rows re-sorted by it for the grouped matmuls.
+    mine = pair[:, me, :]  # [sender, local expert]
+    gaps = jnp.diff(jnp.append(starts, buffer)) - recv
+    counts = jnp.concatenate([mine, gaps[:, None]], axis=1).reshape(-1)
+    labels = jnp.tile(jnp.arange(local + 1), n)
+    which = jnp.repeat(labels, counts, total_repeat_length=buffer)
+    regroup = jnp.argsort(which, stable=True)
+    done = _ffn(got[regroup], mine.sum(0).astype(jnp.int32), w_gate, w_up, w_down, activation)
+    done = jnp.zeros_like(done).at[regroup].set(done)
+    if exchange == "ragged":
+        home = (jnp.cumsum(per_dev, axis=1) - per_dev)[:, me]  # the senders' offsets for me
+        back = jax.lax.ragged_all_to_all(
+            done, jnp.zeros((rows_out, d), done.dtype), starts, recv, home, send, axis_name=axis
+        )
+    else:
+        back = jax.lax.all_to_all(done.reshape(n, rows_out, d), axis, 0, 0, tiled=False)
+        back = back[dest, slot]
+    return _combine(back, order, weights, tokens.dtype)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _mesh() -> Any:
+    """The mesh of the trace: dtensor's ``with mesh:`` or ``jax.set_mesh``, else ``None``."""
+    from dtensor.core.mesh import current_mesh
+
+    ours = current_mesh()
+    if ours is not None and ours.size > 1:
+        return ours.jax_mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract is not None and not abstract.empty and math.prod(abstract.shape.values()) > 1:
+        return abstract
+    return None
+
+
+def _platform(mesh: Any) -> str:
+    devices = getattr(mesh, "devices", None)
+    if isinstance(devices, np.ndarray) and devices.size:
+        return devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _mesh_text(mesh: Any) -> str:
+    return "mesh " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
+
+
+def _check_shapes(x, ids, weights, w_gate, w_up, w_down) -> None:
+    d = x.shape[-1]
+    problems = []
+    if ids.shape != weights.shape or ids.shape[:-1] != x.shape[:-1]:
+        problems.append(
+            f"expert_ids {tuple(ids.shape)} and expert_weights {tuple(weights.shape)} must both "
+            f"be x's leading shape {tuple(x.shape[:-1])} plus k"
+        )
+    if w_up.ndim != 3 or w_up.shape[1] != d:
+        problems.append(f"w_up {tuple(w_up.shape)} must be [experts, {d}, hidden]")
+    if w_gate is not None and w_gate.shape != w_up.shape:
+        problems.append(f"w_gate {tuple(w_gate.shape)} must be w_up's shape {tuple(w_up.shape)}")
+    if w_down.ndim != 3 or w_down.shape != (w_up.shape[0], w_up.shape[2], d):
+        problems.append(
+            f"w_down {tuple(w_down.shape)} must be [experts, hidden, d_model] = "
+            f"{(w_up.shape[0], w_up.shape[-1], d)}"
+        )
+    if problems:
+        raise ValueError(
+            f"dtensor.expert_mlp: x {tuple(x.shape)}: " + "; ".join(problems) + ". Pass stacked "
+            "expert weights [experts, in, out] and the router's top-k ids and weights."
+        )
