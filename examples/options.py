@@ -24,6 +24,8 @@ DECODER_SIZES = (
     "llama2-7b",
     "llama2-70b",
     "llama3.1-405b",
+    "tiny-moe",
+    "mixtral-8x7b",
 )
 
 
@@ -99,6 +101,13 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         default=None,
         help="hybrid: the tensor-parallel size (the rest of the devices go to fsdp; the decoder's "
         "Megatron rules); default: the registry's data x fsdp x tensor",
+    )
+    p.add_argument(
+        "--expert",
+        type=int,
+        default=None,
+        help="hybrid: the expert-parallel size (stacked expert weights split over it, tokens "
+        "dispatched by all-to-all; the rest of the devices go to fsdp); default 1",
     )
     p.add_argument(
         "--across-slices",
@@ -208,7 +217,10 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     across = getattr(args, "across_slices", None)
     if across is not None and not hybrid:
         applied["across_slices"] = "not available"
-    if hybrid and (args.tensor or decoder or across):
+    expert = getattr(args, "expert", None) or 1
+    if expert > 1 and not hybrid:
+        applied["expert"] = "not available"
+    if hybrid and (args.tensor or decoder or across or expert > 1):
         from strategies.placement.slices import slice_count
 
         tensor = args.tensor or 1
@@ -227,7 +239,16 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
                     "a slice (--across-slices data); pass a divisor of it."
                 )
             slices = 1
+        if (len(devices) // slices // tensor) % expert:
+            raise ValueError(
+                f"--expert {expert} does not divide the {len(devices) // slices // tensor} "
+                f"devices left for fsdp x expert (of {len(devices)}, {slices} slice(s), --tensor "
+                f"{tensor}); pass a divisor of it."
+            )
         extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
+        if expert > 1:
+            extra["expert"] = expert
+            applied["expert"] = "strategy"
         if across is not None:
             extra["across_slices"] = across
             applied["across_slices"] = "strategy"
@@ -238,7 +259,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
             applied["gather_layers"] = "strategy (HybridStrategy's plan with remat=)"
         strategy = cls(
             slices,
-            len(devices) // slices // tensor,
+            len(devices) // slices // tensor // expert,
             tensor,
             devices=list(devices),
             min_shard_bytes=0,

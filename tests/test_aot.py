@@ -50,13 +50,24 @@ BIG = textwrap.dedent(
 
 def test_cli_prints_the_demo_report(tmp_path, capsys):
     out = tmp_path / "report.json"
-    rc = aot.main(["--topology", "v5e:4x4", "--strategy", "fully_sharded", "--json", str(out), "--", DEMO])
+    rc = aot.main(
+        ["--topology", "v5e:4x4", "--strategy", "fully_sharded", "--json", str(out), "--", DEMO]
+    )
     text = capsys.readouterr().out
     assert rc == 0
-    for needle in ("v5e:4x4 = 16 TPU v5 lite devices", "Mesh(fsdp=16)", "memory per chip", "HBM of a v5e chip", "OK fits:", "ICI"):
+    for needle in (
+        "v5e:4x4 = 16 TPU v5 lite devices",
+        "Mesh(fsdp=16)",
+        "memory per chip",
+        "HBM of a v5e chip",
+        "OK fits:",
+        "ICI",
+    ):
         assert needle in text, needle
     got = json.loads(out.read_text())
-    assert got["topology"] == "v5e:4x4" and got["devices"] == 16 and got["strategy"] == "fully_sharded"
+    assert (
+        got["topology"] == "v5e:4x4" and got["devices"] == 16 and got["strategy"] == "fully_sharded"
+    )
     report = got["report"]
     assert report["memory_fit"]["fits"] is True and report["memory_fit"]["chip"] == "v5e"
     assert report["dcn_bytes_per_device"] == 0 and report["ici_bytes_per_device"] > 0
@@ -79,11 +90,16 @@ def test_errors(tmp_path, capsys):
         aot.load_script("nope.py")
     plain = tmp_path / "plain.py"
     plain.write_text("x = 1\n")
-    with pytest.raises(aot.AotError, match=r"defines no aot_step\(argv, \*, devices\) function; add one"):
+    with pytest.raises(
+        aot.AotError, match=r"defines no aot_step\(argv, \*, devices\) function; add one"
+    ):
         aot.load_script(plain)
     wrong = tmp_path / "wrong.py"
     wrong.write_text("def aot_step(argv, *, devices):\n    return 3\n")
-    with pytest.raises(aot.AotError, match=r"aot_step\(\) returned int '3'; it must return the tuple \(strategy, step, args\)"):
+    with pytest.raises(
+        aot.AotError,
+        match=r"aot_step\(\) returned int '3'; it must return the tuple \(strategy, step, args\)",
+    ):
         aot.compile_script(wrong, topology="v5e:4x4")
 
     assert aot.main(["--topology", "v5e:4x4", "--", str(tmp_path / "nope.py")]) == 2
@@ -102,9 +118,26 @@ def test_module_entry_point_two_slices(tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "JAX_PLATFORMS": ""}  # the CLI picks CPU itself
     proc = subprocess.run(
-        [sys.executable, "-m", "dtensor.aot", "--topology", "v5e:4x4", "--num-slices", "2",
-         "--strategy", "multi_worker_mirrored", "--json", str(out), "--", DEMO],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dtensor.aot",
+            "--topology",
+            "v5e:4x4",
+            "--num-slices",
+            "2",
+            "--strategy",
+            "multi_worker_mirrored",
+            "--json",
+            str(out),
+            "--",
+            DEMO,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 slices over DCN = 32 TPU v5 lite devices" in proc.stdout

@@ -55,7 +55,7 @@ from dtensor.analysis.findings import (
 )
 from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
-from dtensor.analysis.minimum import minimum_for
+from dtensor.analysis.minimum import dispatch_minimum, minimum_for
 from dtensor.analysis.minimum import split_over_data as _split_over_data
 from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
@@ -272,10 +272,20 @@ def explain(
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
     floor = floor_for(jaxpr, collectives, _network_bytes(collectives, "dcn", slices), mesh)
     minimum, references = minimum_for(jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh)
+    dispatch, capacity = (
+        dispatch_minimum(jaxpr, mesh.shape if mesh is not None else {})
+        if jaxpr is not None
+        else (0.0, None)
+    )
+    dispatched = sum(
+        c.total_bytes_per_device
+        for c in collectives
+        if c.kind == "all-to-all" and "expert" in c.mesh_axes
+    )
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
-        min_comm_bytes_per_device=float(activation_bytes_min) + minimum,
+        min_comm_bytes_per_device=float(activation_bytes_min) + minimum + dispatch,
         min_comm_references=references,
         argument_bytes_per_device=_mem(mem, "argument_size_in_bytes"),
         output_bytes_per_device=_mem(mem, "output_size_in_bytes"),
@@ -298,6 +308,9 @@ def explain(
         ideal_peak_terms=terms,
         step_floor=floor,
         model_flops=model_flops,
+        dispatch_bytes_per_device=float(dispatched) if capacity is not None else 0.0,
+        dispatch_min_bytes_per_device=dispatch,
+        dispatch_capacity=capacity,
     )
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -85,7 +86,8 @@ class StepFloor:
 
 
 def matmul_flops(jaxpr: Any) -> float:
-    """The FLOPs of every ``dot_general`` in a (closed) jaxpr, nested calls and scans included.
+    """The FLOPs of every ``dot_general`` (and grouped ``ragged_dot``) in a (closed) jaxpr,
+    nested calls and scans included.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -99,6 +101,9 @@ def matmul_flops(jaxpr: Any) -> float:
         >>> scan = lambda w, x: jax.lax.scan(lambda c, _: (c @ w[:, :16], None), x, None, 5)[0]
         >>> matmul_flops(jax.make_jaxpr(scan)(w, x))   # 5 iterations of 2 * 8*16 * 16
         20480.0
+        >>> experts = jnp.zeros((4, 16, 32)); sizes = jnp.asarray([2, 2, 2, 2])
+        >>> matmul_flops(jax.make_jaxpr(jax.lax.ragged_dot)(x, experts, sizes))  # each row one expert
+        8192.0
     """
     return _flops(getattr(jaxpr, "jaxpr", jaxpr))
 
@@ -112,6 +117,9 @@ def _flops(jaxpr: Any) -> float:
             out = eqn.outvars[0].aval.shape
             total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
             continue
+        if eqn.primitive.name == "ragged_dot_general":  # a grouped matmul (MoE experts)
+            total += _ragged_flops(eqn)
+            continue
         times = _repeats(eqn)
         subs = []
         for value in eqn.params.values():
@@ -124,6 +132,20 @@ def _flops(jaxpr: Any) -> float:
         else:
             total += times * sum(_flops(s) for s in subs)
     return total
+
+
+def _ragged_flops(eqn: Any) -> float:
+    """A grouped matmul's FLOPs: each lhs element meets one group's rhs, ``2 x |lhs| x |rhs|
+    / (contracted x groups)`` (forward ``[m,k] x [g,k,n]``, and its gradients, alike)."""
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), _ = numbers.dot_dimension_numbers
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    shared = math.prod(rhs[d] for d in (*rhs_contract, *numbers.rhs_group_dimensions))
+    flops = 2.0 * math.prod(lhs) * math.prod(rhs) / max(shared, 1)
+    # Over an expert-parallel receive buffer (dtensor.expert_mlp's ``grouped_k{k}_of{held}``
+    # scope) only the rows routed are computed: k of every ``held`` rows.
+    routed = re.search(r"grouped_k(\d+)_of(\d+)", str(eqn.source_info.name_stack))
+    return flops * int(routed.group(1)) / int(routed.group(2)) if routed else flops
 
 
 def _repeats(eqn: Any) -> int:

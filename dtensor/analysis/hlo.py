@@ -131,6 +131,14 @@ def parse_collectives(
             if ins.opcode == "send" and net is not None and _MEGASCALE in ins.rest:
                 out.extend(_dcn_transfer(ins, mults[comp], mesh_shape, net))
                 continue
+            if ins.opcode == "ragged-all-to-all-start":  # XLA:GPU: ((operands...), result)
+                shapes = [(t, d) for t, d in parse_shapes(ins.shape) if t != "token"]
+                small = min((shapes[0], shapes[-1]), key=lambda td: math.prod(td[1]))
+                sent = f"{small[0]}[{','.join(map(str, small[1]))}]"
+                out.extend(
+                    _collective("all-to-all", ins, sent, mults[comp], mesh_shape, num_devices, net)
+                )
+                continue
             if ins.opcode == "ragged-all-to-all":
                 # An MoE dispatch or its return: at most the smaller of its operand and result
                 # leaves each device (the larger is the buffer sized for the dropless worst

@@ -31,6 +31,7 @@ matmuls whose weight operand the walk cannot follow (inside ``shard_map``,
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,7 @@ from dtensor.core.tree import is_array
 
 __all__ = [
     "REFERENCE_NAMES",
+    "dispatch_minimum",
     "layout_axes",
     "matmul_reference",
     "minimum_for",
@@ -187,6 +189,63 @@ def minimum_for(
     per_matmul = matmul_reference(jaxpr, shards, replicas)
     references = (rest + zero, rest + per_matmul)
     return min(references), dict(zip(REFERENCE_NAMES, references, strict=True))
+
+
+def dispatch_minimum(jaxpr: Any, sizes: Mapping[str, int]) -> tuple[float, float | None]:
+    """Bytes per device the step's MoE dispatches must move, and their receive buffers'
+    capacity (rows held per row routed: ``n x min(experts / n, k) / k`` for dropless
+    routing), ``None`` without any.
+
+    Each ``ragged_all_to_all`` (forward, backward, recomputed; scanned layers once per
+    iteration) sends the rows routed -- the smaller of its operand and result, the other
+    being the dropless buffer -- of which ``(n-1)/n`` leave the device when the routing is
+    balanced; an ``all_to_all`` of :func:`dtensor.expert_mlp`'s dense exchange (the CPU's,
+    under its ``dense_k{k}_per{p}`` name scope) is its receive buffer, ``n x p`` rows
+    for each token's ``k`` routed.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> from dtensor.analysis.minimum import dispatch_minimum
+        >>> mesh = dtensor.create_mesh([("expert", 4)])
+        >>> x = jnp.ones((32, 8)); ids = jnp.zeros((32, 2), jnp.int32); w = jnp.ones((32, 2))
+        >>> up = jnp.ones((4, 8, 16)); down = jnp.ones((4, 16, 8))
+        >>> with mesh:
+        ...     j = jax.make_jaxpr(lambda x: dtensor.expert_mlp(x, ids, w, None, up, down))(x)
+        >>> dispatch_minimum(j, mesh.shape)  # 2 all-to-alls of 8 tokens x 2 rows x 8 floats
+        (768.0, 2.0)
+    """
+    capacity: list[float | None] = [None]
+
+    def walk(inner: Any, mult: int) -> float:
+        out = 0.0
+        for eqn in inner.eqns:
+            name = eqn.primitive.name
+            if name in ("ragged_all_to_all", "all_to_all"):
+                axes = eqn.params.get("axis_name")
+                axes = axes if isinstance(axes, tuple) else (axes,)
+                n = math.prod(int(sizes.get(a, 1)) for a in axes)
+                operand, result = eqn.invars[0].aval, eqn.outvars[0].aval
+                if name == "ragged_all_to_all":
+                    routed = min(_bytes(operand), _bytes(result))
+                    held = max(_bytes(operand), _bytes(result))
+                elif dense := re.search(r"dense_k(\d+)_per(\d+)", str(eqn.source_info.name_stack)):
+                    k, per = int(dense.group(1)), int(dense.group(2))
+                    routed, held = _bytes(operand) * k / (n * per), _bytes(operand)
+                else:
+                    continue
+                if n > 1:
+                    out += mult * routed * (n - 1) / n
+                    capacity[0] = capacity[0] or held / routed
+                continue
+            times = int(eqn.params.get("length", 1)) if name == "scan" else 1
+            for value in eqn.params.values():
+                body = getattr(value, "jaxpr", value)
+                if hasattr(body, "eqns"):
+                    out += walk(body, mult * times)
+        return out
+
+    total = walk(getattr(jaxpr, "jaxpr", jaxpr), 1)
+    return total, capacity[0]
 
 
 def layout_axes(v: VariableInfo) -> set[str]:

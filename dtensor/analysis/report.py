@@ -92,6 +92,14 @@ class Report:
     remat leaves them) + batch``, per device, and ``ideal_peak_terms`` its
     terms (a :class:`dtensor.analysis.peak.PeakTerms`; the formula and how
     each term is measured are in :mod:`dtensor.analysis.peak`).
+    A mixture of experts' token dispatch (:func:`dtensor.expert_mlp`):
+    ``dispatch_bytes_per_device`` its all-to-alls over the expert axis in the
+    compiled program, ``dispatch_min_bytes_per_device`` what they must move
+    (the rows routed, ``(n-1)/n`` of them off the device when balanced; part
+    of ``min_comm_bytes_per_device``), ``dispatch_capacity`` the rows its
+    receive buffers hold per row routed (``n``, the expert-parallel size, for
+    dropless routing: any imbalance fits), ``None`` without a dispatch
+    (:func:`dtensor.analysis.minimum.dispatch_minimum`).
     """
 
     collectives: tuple[Collective, ...]
@@ -119,6 +127,9 @@ class Report:
     min_comm_references: dict[str, float] | None = None
     step_floor: Any = None
     model_flops: float | None = None
+    dispatch_bytes_per_device: float = 0.0
+    dispatch_min_bytes_per_device: float = 0.0
+    dispatch_capacity: float | None = None
 
     @property
     def step_time_floor_seconds(self) -> float | None:
@@ -289,6 +300,16 @@ def _render(report: Report) -> str:
     ]
     for name, value in (report.min_comm_references or {}).items():
         rows.insert(3, (f"  reference: {name}", human_bytes(value)))
+    if report.dispatch_capacity is not None:
+        at = 1 + len(network_rows(report))
+        rows[at:at] = [
+            (
+                "  MoE dispatch (all-to-all over expert)",
+                human_bytes(report.dispatch_bytes_per_device),
+            ),
+            ("  MoE dispatch, minimum", human_bytes(report.dispatch_min_bytes_per_device)),
+            ("  MoE receive buffers / rows routed", f"{report.dispatch_capacity:.0f}x (dropless)"),
+        ]
     floor = report.step_floor
     if floor is not None:
         rows.append((f"step-time floor ({floor.bound}-bound)", f"{floor.seconds * 1e3:.1f} ms"))

@@ -14,7 +14,8 @@ back weighted. Inside it:
   per call (``jax.lax.ragged_all_to_all`` on TPU and GPU, which moves only the
   rows routed; on CPU, whose XLA has no ragged all-to-all, a dense
   ``all_to_all`` of buffers padded to the dropless worst case, the same
-  values);
+  values); each device's receive buffer holds ``n x tokens x min(experts /
+  n, k)`` rows, the most that can come to it (MaxText's size);
 - the batch stays split over the token axes (``data``, ``fsdp``, ``expert``,
   ``context`` where the mesh has them: HybridStrategy's batch axes), so the
   routing, sorting and exchange are per device; everything else in the
@@ -35,7 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["TOKEN_AXES", "expert_mlp", "dispatch_bytes"]
+__all__ = ["DISPATCH_SCOPE", "TOKEN_AXES", "dispatch_bytes", "expert_mlp", "routed_scope"]
+
+#: The name scope of the dispatch (``explain`` finds its all-to-alls by it).
+DISPATCH_SCOPE = "expert_dispatch"
 
 #: The mesh axes a token batch is split over by default (those the mesh has, in this order).
 TOKEN_AXES = ("data", "fsdp", "expert", "context")
@@ -102,7 +106,8 @@ def expert_mlp(
     mesh = _mesh()
     names = () if mesh is None else tuple(mesh.axis_names)
     if token_axes is None:
-        token_axes = tuple(a for a in TOKEN_AXES if a in names and mesh.shape[a] > 1)
+        sizes = {} if mesh is None else dict(mesh.shape)
+        token_axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
     token_axes = tuple(token_axes)
     n = mesh.shape[axis] if mesh is not None and axis in names else 1
     if mesh is None or (n == 1 and not token_axes):
@@ -135,7 +140,7 @@ def expert_mlp(
         return _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exchange)
 
     run = jax.shard_map(
-        per_device,
+        jax.named_scope(DISPATCH_SCOPE)(per_device),
         mesh=mesh,
         in_specs=(tok, tok, tok, gate_spec, P(ex), P(ex)),
         out_specs=tok,
@@ -200,7 +205,11 @@ def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exch
     per_dev = pair.sum(-1)  # [sender, receiver]
     send, recv = per_dev[me], per_dev[:, me]
     send_off = jnp.cumsum(send) - send
-    buffer = n * rows_out  # dropless: every row of every sender could come here
+    # Dropless: a token sends at most min(local, k) rows to one device (its k experts are
+    # distinct), so each sender's slot holds T x min(local, k) rows, every device n slots.
+    per = min(local, k)
+    slot_rows = tokens.shape[0] * per
+    buffer = n * slot_rows
     if exchange == "ragged":
         land = (jnp.cumsum(per_dev, axis=0) - per_dev)[me]  # where mine land on each receiver
         got = jax.lax.ragged_all_to_all(
@@ -210,9 +219,10 @@ def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exch
     else:
         dest = jnp.repeat(jnp.arange(n), send, total_repeat_length=rows_out)
         slot = jnp.arange(rows_out) - send_off[dest]
-        padded = jnp.zeros((n, rows_out, d), sent.dtype).at[dest, slot].set(sent)
-        got = jax.lax.all_to_all(padded, axis, 0, 0, tiled=False).reshape(buffer, d)
-        starts = jnp.arange(n) * rows_out
+        padded = jnp.zeros((n, slot_rows, d), sent.dtype).at[dest, slot].set(sent)
+        with jax.named_scope(_dense_scope(k, per)):
+            got = jax.lax.all_to_all(padded, axis, 0, 0, tiled=False).reshape(buffer, d)
+        starts = jnp.arange(n) * slot_rows
     # The local expert of each received row (each sender's rows come sorted by expert,
     # then padding, marked ``local``), and the rows re-sorted by it for the grouped matmuls.
     mine = pair[:, me, :]  # [sender, local expert]
@@ -221,7 +231,8 @@ def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exch
     labels = jnp.tile(jnp.arange(local + 1), n)
     which = jnp.repeat(labels, counts, total_repeat_length=buffer)
     regroup = jnp.argsort(which, stable=True)
-    done = _ffn(got[regroup], mine.sum(0).astype(jnp.int32), w_gate, w_up, w_down, activation)
+    with jax.named_scope(routed_scope(k, n * per)):  # the floor counts the rows routed only
+        done = _ffn(got[regroup], mine.sum(0).astype(jnp.int32), w_gate, w_up, w_down, activation)
     done = jnp.zeros_like(done).at[regroup].set(done)
     if exchange == "ragged":
         home = (jnp.cumsum(per_dev, axis=1) - per_dev)[:, me]  # the senders' offsets for me
@@ -229,12 +240,26 @@ def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exch
             done, jnp.zeros((rows_out, d), done.dtype), starts, recv, home, send, axis_name=axis
         )
     else:
-        back = jax.lax.all_to_all(done.reshape(n, rows_out, d), axis, 0, 0, tiled=False)
+        with jax.named_scope(_dense_scope(k, per)):
+            back = jax.lax.all_to_all(done.reshape(n, slot_rows, d), axis, 0, 0, tiled=False)
         back = back[dest, slot]
     return _combine(back, order, weights, tokens.dtype)
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+def routed_scope(k: int, held: int) -> str:
+    """The name scope of the grouped matmuls over a receive buffer of ``held`` rows a token
+    for the ``k`` it routes: their FLOPs are ``k / held`` of the buffer's
+    (:func:`dtensor.analysis.floor.matmul_flops`; the rest is padding, never computed)."""
+    return f"grouped_k{k}_of{held}"
+
+
+def _dense_scope(k: int, per: int) -> str:
+    """The name scope of a dense exchange: its buffer holds ``n x per`` rows a token for the
+    ``k`` it routes (``explain`` reads the ratio back)."""
+    return f"dense_k{k}_per{per}"
 
 
 def _mesh() -> Any:

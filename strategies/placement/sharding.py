@@ -13,8 +13,11 @@ from dtensor.core.tree import leaf_value
 __all__ = ["nbytes", "shard_largest_dim"]
 
 
-def shard_largest_dim(specs: list[Any], shape: Sequence[int], axis: str, size: int) -> list[Any]:
-    """Put ``axis`` (of ``size``) on the largest still-unsharded dimension it divides.
+def shard_largest_dim(
+    specs: list[Any], shape: Sequence[int], axis: str | tuple[str, ...], size: int
+) -> list[Any]:
+    """Put ``axis`` (of ``size``; a tuple of axes: their product) on the largest
+    still-unsharded dimension it divides.
 
     Ties go to the earlier dimension; ``specs`` is returned unchanged when no
     dimension divides.

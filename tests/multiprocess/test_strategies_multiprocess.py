@@ -20,7 +20,10 @@ def _reference():
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         step = nnx.jit(make_train_step(mlp_loss))
         losses = [float(step(model, opt, b)) for b in mlp_batches()]
-    params = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    params = {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    }
     return losses, params
 
 
@@ -35,7 +38,9 @@ def _reference():
 )
 def test_preset_across_processes_matches_single_process(preset, feed, processes, devices):
     ref_losses, ref_params = _reference()
-    result = run_worker("train_strategy", processes, preset, feed, devices_per_process=devices, timeout_s=150)
+    result = run_worker(
+        "train_strategy", processes, preset, feed, devices_per_process=devices, timeout_s=150
+    )
     outs = expect_ok(result, processes)
     for out in outs:
         assert out["replicas"] == processes * devices

@@ -426,7 +426,13 @@ def test_describe_lists_each_variable_with_its_layout_and_rule():
     model, _ = _build(s)
     text = s.describe(model)
     assert text.splitlines()[0] == repr(s)
-    assert _row(text, "up/kernel") == ["up/kernel", "16×64", "[·, tensor]", "megatron column", "2.0 KiB"]
+    assert _row(text, "up/kernel") == [
+        "up/kernel",
+        "16×64",
+        "[·, tensor]",
+        "megatron column",
+        "2.0 KiB",
+    ]
     assert _row(text, "down/kernel")[2:4] == ["[tensor, ·]", "megatron row"]
     assert "Mesh(data=4, fsdp=1, tensor=2)" in text and "dtype f32" in text  # one dtype: said once
     # An abstract model works too (nothing is materialised).

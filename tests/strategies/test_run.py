@@ -385,7 +385,9 @@ def test_cache_graph_gives_the_same_training(preset):
         s = strategies.from_name(preset)
         model, opt = _model_and_opt(s, optax.adam(1e-2))
         step = make_train_step(mlp_loss)
-        losses = [float(s.run(step, args=(model, opt, b), cache_graph=cache_graph)) for b in mlp_batches()]
+        losses = [
+            float(s.run(step, args=(model, opt, b), cache_graph=cache_graph)) for b in mlp_batches()
+        ]
         results.append((losses, np.asarray(model.up.kernel.get_value()), int(opt.step.get_value())))
     (l0, k0, n0), (l1, k1, n1) = results
     np.testing.assert_array_equal(l0, l1)

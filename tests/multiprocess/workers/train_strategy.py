@@ -44,7 +44,9 @@ def main() -> None:
         data = strategy.experimental_distribute_dataset(batches)
     losses = [float(strategy.run(step, args=(model, opt, b))) for b in data]
     params = {
-        jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(v, tiled=True)).tolist()
+        jax.tree_util.keystr(p): np.asarray(
+            multihost_utils.process_allgather(v, tiled=True)
+        ).tolist()
         for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
     }
     print(

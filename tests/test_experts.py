@@ -1,0 +1,301 @@
+"""Mixtures of experts: dtensor.expert_mlp, HybridStrategy(expert=E), the decoder's MoE block.
+
+Equality with single-device JAX (float32) on 8 CPU devices, the layouts of the
+expert rule, explain's dispatch figures, and the TPU and GPU compilers' programs
+(ragged all-to-all) at a tiny size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dtensor
+import strategies
+from examples.decoder import CONFIGS, Block, Decoder, loss_fn
+from strategies.presets.tensor_parallel import expert_dim
+
+E, D, F, K = 8, 16, 32, 2
+
+
+def _moe_inputs(batch=4, seq=16, seed=0):
+    key = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(key[0], (batch, seq, D))
+    probs = jax.nn.softmax(jax.random.normal(key[1], (batch, seq, E)))
+    weights, ids = jax.lax.top_k(probs, K)
+    gate, up = (jax.random.normal(k, (E, D, F)) / 4 for k in key[2:4])
+    down = jax.random.normal(key[4], (E, F, D)) / 6
+    return x, ids, weights, gate, up, down
+
+
+def _moe_loss(x, weights, gate, up, down, ids):
+    return (dtensor.expert_mlp(x, ids, weights, gate, up, down) ** 2).sum()
+
+
+def _close(got, want, rtol):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), (a.shape, np.abs(a - b).max())
+
+
+# ------------------------------------------------------------------------- dtensor.expert_mlp
+def test_expert_mlp_without_mesh_is_each_token_s_weighted_experts():
+    x, ids, weights, gate, up, down = _moe_inputs(batch=2, seq=4)
+    got = dtensor.expert_mlp(x, ids, weights, gate, up, down)
+    # By hand: each token's k experts, one at a time.
+    want = np.zeros(x.shape, np.float32)
+    for b in range(2):
+        for s in range(4):
+            for j in range(K):
+                e, t = int(ids[b, s, j]), x[b, s]
+                h = jax.nn.silu(t @ gate[e]) * (t @ up[e])
+                want[b, s] += float(weights[b, s, j]) * np.asarray(h @ down[e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        [("data", 2), ("expert", 4)],
+        [("data", 2), ("fsdp", 2), ("expert", 2)],
+        [("expert", 8)],
+        [("data", 8)],
+    ],
+    ids=["data2-expert4", "data2-fsdp2-expert2", "expert8", "data8"],
+)
+def test_expert_mlp_under_a_mesh_matches_one_device_forward_and_backward(dims):
+    x, ids, weights, gate, up, down = _moe_inputs()
+    want = dtensor.expert_mlp(x, ids, weights, gate, up, down)
+    want_grads = jax.grad(_moe_loss, argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down, ids)
+    mesh = dtensor.create_mesh(dims)
+    with mesh:
+        got = jax.jit(dtensor.expert_mlp)(x, ids, weights, gate, up, down)
+        grads = jax.jit(jax.grad(_moe_loss, argnums=(0, 1, 2, 3, 4)))(
+            x, weights, gate, up, down, ids
+        )
+        text = jax.jit(dtensor.expert_mlp).lower(x, ids, weights, gate, up, down).as_text()
+    _close(got, want, 1e-6)
+    _close(grads, want_grads, 1e-6)
+    # Over an expert axis the tokens travel (all-to-all); without one each device runs all.
+    assert ("all_to_all" in text) == (dict(dims).get("expert", 1) > 1)
+
+
+def test_expert_mlp_ungated_and_imbalanced_routing():
+    """Every token to the same two experts: one device receives all rows (the dropless
+    buffer's worst case), the others none; still exact."""
+    x, _, weights, _, up, down = _moe_inputs()
+    ids = jnp.broadcast_to(jnp.asarray([5, 6], jnp.int32), weights.shape)
+    want = dtensor.expert_mlp(x, ids, weights, None, up, down, activation=jax.nn.gelu)
+    with dtensor.create_mesh([("data", 2), ("expert", 4)]):
+        got = jax.jit(lambda *a: dtensor.expert_mlp(*a, activation=jax.nn.gelu), static_argnums=())(
+            x, ids, weights, None, up, down
+        )
+    _close(got, want, 1e-6)
+
+
+def test_expert_mlp_errors_name_the_sizes_and_the_fix():
+    x, ids, weights, gate, up, down = _moe_inputs()
+    with dtensor.create_mesh([("data", 2), ("expert", 4)]):
+        with pytest.raises(
+            ValueError, match=r"6 experts .* do not divide over the mesh axis 'expert' of size 4"
+        ):
+            dtensor.expert_mlp(x, ids, weights, gate[:6], up[:6], down[:6])
+        with pytest.raises(ValueError, match=r"12 tokens .* do not divide over the token axes"):
+            dtensor.expert_mlp(x[:1, :12], ids[:1, :12], weights[:1, :12], gate, up, down)
+    with pytest.raises(
+        ValueError, match=r"w_down \(8, 16, 32\) must be \[experts, hidden, d_model\]"
+    ):
+        dtensor.expert_mlp(x, ids, weights, gate, up, jnp.swapaxes(down, 1, 2))
+    with pytest.raises(ValueError, match="expert_ids .* must both be x's leading shape"):
+        dtensor.expert_mlp(x, ids[..., :1], weights, gate, up, down)
+
+
+# ------------------------------------------------------------------------- layouts
+def test_expert_rule_and_hybrid_expert_layouts():
+    assert expert_dim("blocks/0/moe/experts/up", (8, 64, 128)) == 0
+    assert expert_dim("layers/moe/experts/down", (2, 8, 128, 64)) == 1  # scanned stack
+    assert expert_dim("blocks/0/mlp/up", (64, 128)) is None
+    assert expert_dim("experts", (8, 64)) is None  # rank 2: not a stack of matrices
+
+    s = strategies.HybridStrategy(2, 2, 1, expert=2, min_shard_bytes=0)
+    assert s.mesh.shape == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert s.batch_axes == ("data", "fsdp", "expert") and s.num_replicas_in_sync == 8
+    up = s.variable_layout("layers/moe/experts/up", np.zeros((2, 8, 64, 128), np.float32))
+    assert up.sharding_specs == ("unsharded", "expert", "unsharded", "fsdp")
+    dense = s.variable_layout("layers/attn/query", np.zeros((2, 64, 4, 16), np.float32))
+    assert dense.sharding_specs == ("unsharded", ("fsdp", "expert"), "unsharded", "unsharded")
+    assert s.rule_name("layers/moe/experts/up", np.zeros((2, 8, 64, 128))) == "expert"
+    assert s.read_options().kept_axes("layers/moe/experts/up") == ("expert",)
+    # expert=1 keeps today's mesh and layouts.
+    assert strategies.HybridStrategy(2, 2, 2).mesh.dim_names == ("data", "fsdp", "tensor")
+
+    with pytest.raises(ValueError, match=r"gather_at_read=True\) needs expert=1"):
+        strategies.HybridStrategy(2, 1, 1, expert=4, gather_at_read=True)
+    with pytest.raises(ValueError, match="expert-parallel size must be a positive integer"):
+        strategies.HybridStrategy(expert=0)
+    with pytest.warns(
+        UserWarning, match=r"stack of 6 experts .* does not divide over the 'expert' axis of size 4"
+    ):
+        s4 = strategies.HybridStrategy(2, 1, 1, expert=4)
+        assert s4.variable_layout("moe/experts/up", np.zeros((6, 8, 8))).is_fully_replicated()
+
+
+# ------------------------------------------------------------------------- the decoder
+def _batches(cfg, n=3, batch=8, seq=16):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        w = rng.integers(0, cfg.vocab, size=(batch, seq + 1)).astype(np.int32)
+        out.append({"x": w[:, :-1], "y": w[:, 1:]})
+    return out
+
+
+def _step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _build(cfg):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def test_moe_decoder_aux_loss_and_counts():
+    cfg = CONFIGS["tiny-moe"]
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(_batches(cfg, 1)[0]["x"])
+    logits, aux = model(tokens, with_aux=True)
+    assert logits.shape == (8, 16, cfg.vocab)
+    # The Switch load-balancing loss is E * sum(fraction * probability): 1 when uniform,
+    # here near it (a fresh router), and at most E.
+    assert 0.9 < float(aux) < 2.0
+    assert float(loss_fn(model, {"x": tokens, "y": tokens})) > 0
+    stack = model.blocks[0].moe.experts
+    assert stack.up[...].shape == (cfg.experts, cfg.d_model, cfg.ffw)
+
+
+@pytest.mark.parametrize(
+    ("data", "fsdp", "expert", "scan"),
+    [(2, 1, 4, False), (2, 2, 2, False), (2, 2, 2, True), (1, 2, 4, True)],
+    ids=[
+        "expert4",
+        "data2-fsdp2-expert2",
+        "data2-fsdp2-expert2-scan-remat",
+        "fsdp2-expert4-scan-remat",
+    ],
+)
+def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, expert, scan):
+    """Three Adam steps of the MoE decoder under HybridStrategy(expert=E) = one device: the
+    losses to float32 rounding, the first step's gradients to 2e-6, the parameters after
+    three steps to 1e-4 (Adam divides by each gradient's own scale: a rounding difference
+    in a near-zero gradient moves a parameter by up to ~1e-5 relative; a wrong dispatch by
+    ~1e-1)."""
+    cfg = CONFIGS["tiny-moe"].replace(scan=scan)
+    batches = _batches(cfg)
+    model, opt = _build(cfg)
+    want_grads = nnx.grad(loss_fn)(model, batches[0])
+    step = nnx.jit(_step)
+    want = [float(step(model, opt, b)) for b in batches]
+    want_params = nnx.state(model, nnx.Param)
+
+    remat = (Block,) if scan else None
+    s = strategies.HybridStrategy(data, fsdp, 1, expert=expert, min_shard_bytes=0, remat=remat)
+    assert s.mesh.shape["expert"] == expert and not s.gather_at_read
+    with s.scope():
+        model, opt = _build(cfg)
+    grads = s.run(lambda m, b: nnx.grad(loss_fn)(m, b), args=(model, batches[0]))
+    _close(jax.device_get(grads), want_grads, 2e-6)
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    have = jax.device_get(nnx.state(model, nnx.Param))
+    _close(have, want_params, 1e-4)
+    experts = nnx.state(model, nnx.Param)
+    up = (
+        experts["layers"]["moe"]["experts"]["up"]
+        if scan
+        else experts["blocks"][0]["moe"]["experts"]["up"]
+    )
+    assert "expert" in str(up.sharding.spec)
+
+
+def test_moe_checkpoint_round_trip_between_expert_and_fully_sharded(tmp_path):
+    """Saved under HybridStrategy(expert=4), restored under FullyShardedStrategy and on one
+    device: the same values, each in the restoring layout."""
+    cfg = CONFIGS["tiny-moe"]
+    s = strategies.HybridStrategy(2, 1, 1, expert=4, min_shard_bytes=0)
+    with s.scope():
+        model, opt = _build(cfg)
+    s.run(_step, args=(model, opt, _batches(cfg, 1)[0]))
+    saved = jax.device_get(nnx.state(model, nnx.Param))
+    dtensor.checkpoint.save(tmp_path / "ckpt", {"model": model})
+
+    fsdp = strategies.FullyShardedStrategy(min_shard_bytes=0)
+    with fsdp.scope():
+        other = Decoder(cfg, rngs=nnx.Rngs(1))
+    dtensor.checkpoint.restore(tmp_path / "ckpt", {"model": other})
+    _close(jax.device_get(nnx.state(other, nnx.Param)), saved, 0.0)
+    up = other.blocks[0].moe.experts.up[...]
+    assert "expert" not in str(up.sharding.spec)
+
+    alone = Decoder(cfg, rngs=nnx.Rngs(2))
+    dtensor.checkpoint.restore(tmp_path / "ckpt", {"model": alone})
+    _close(jax.device_get(nnx.state(alone, nnx.Param)), saved, 0.0)
+
+
+# ------------------------------------------------------------------------- explain
+def test_explain_reports_the_dispatch_its_minimum_and_capacity():
+    cfg = CONFIGS["tiny-moe"].replace(scan=True)
+    s = strategies.HybridStrategy(2, 1, 1, expert=4, min_shard_bytes=0, remat=(Block,))
+    with s.scope():
+        model, opt = _build(cfg)
+    report = s.explain(_step, args=(model, opt, _batches(cfg, 1)[0]))
+    # Per layer and device: 8 x 16 / 8 = 16 tokens x 2 rows of 64 floats, out and back in
+    # the forward pass, its recomputation and the backward pass; 3/4 leave the device.
+    rows = 16 * 2 * 64 * 4
+    assert report.dispatch_min_bytes_per_device == pytest.approx(cfg.layers * 6 * rows * 3 / 4)
+    assert report.dispatch_capacity == 4
+    # On CPU the exchange is dense (no ragged all-to-all in XLA:CPU): buffers padded 4x.
+    assert report.dispatch_bytes_per_device == pytest.approx(
+        4 * report.dispatch_min_bytes_per_device
+    )
+    assert report.min_comm_bytes_per_device >= report.dispatch_min_bytes_per_device
+    assert "MoE dispatch" in str(report)
+
+
+# ------------------------------------------------------------------------- TPU and GPU compilers
+def _abstract(cfg, batch, seq):
+    model, opt = nnx.eval_shape(lambda: _build(cfg))
+    xy = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in ("x", "y")}
+    return model, opt, xy
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_moe_decoder_compiles_for_tpu_and_gpu_with_ragged_all_to_all(platform):
+    devices = (
+        dtensor.tpu_topology("v5e:2x4") if platform == "tpu" else dtensor.gpu_topology("h100:1x8")
+    )
+    cfg = CONFIGS["tiny-moe"].replace(scan=True)
+    s = strategies.HybridStrategy(
+        1,
+        2,
+        1,
+        expert=4,
+        devices=devices,
+        min_shard_bytes=0,
+        remat=(Block,),
+        mixed_precision=strategies.MixedPrecision(),
+    )
+    report = s.explain(_step, args=_abstract(cfg, 8, 64))
+    text = report.compiled.as_text()
+    assert "ragged-all-to-all" in text
+    assert report.dispatch_capacity == 4
+    # Ragged: the compiled all-to-alls move the rows routed (bf16 under mixed precision).
+    rows = 8 * 64 // 8 * 2 * 64 * 2
+    assert report.dispatch_min_bytes_per_device == pytest.approx(cfg.layers * 6 * rows * 3 / 4)
+    assert report.dispatch_bytes_per_device >= report.dispatch_min_bytes_per_device
+    assert report.peak_bytes_per_device < 64 << 20
