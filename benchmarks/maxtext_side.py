@@ -62,12 +62,13 @@ def _row(
     target: str,
     slices: int = 1,
     libtpu: str | None = "0.0.52",
+    extra: tuple[str, ...] = (),
 ) -> Row:
     overrides = (f"model_name={model}", f"compile_topology={target}", "per_device_batch_size=1")
     return (
         size,
         topology,
-        (*overrides, "max_target_length=1024", f"compile_topology_num_slices={slices}"),
+        (*overrides, "max_target_length=1024", f"compile_topology_num_slices={slices}", *extra),
         libtpu,
     )
 
@@ -81,6 +82,15 @@ ROWS: list[Row] = [
     _row("llama2-70b", "v5p:4x4x4", "llama2-70b", "v5p-128"),
     _row("llama2-70b", "2 x v5p:4x4x2", "llama2-70b", "v5p-64", slices=2, libtpu=None),
     _row("llama3.1-405b", "v5p:8x8x8", "llama3.1-405b", "v5p-1024"),
+    # Mixtral 8x7B, expert 8 x fsdp 4 (benchmarks.experts' row; dropless, megablox).
+    _row(
+        "mixtral-8x7b",
+        "v5p:4x4x2",
+        "mixtral-8x7b",
+        "v5p-64",
+        libtpu=None,
+        extra=("ici_expert_parallelism=8",),
+    ),
 ]
 
 #: The driver the MaxText venv runs: ``driver.py REPO OUT_DIR override...``.
@@ -455,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows",
         default="0,1,2,3,4",
-        help="indices into ROWS (default: the side-by-side table's; 5 is 405B)",
+        help="indices into ROWS (default: the side-by-side table's; 5 is 405B, 6 Mixtral 8x7B)",
     )
     parser.add_argument("--venv", type=Path, default=VENV)
     parser.add_argument("--cache", type=Path, default=CACHE)

@@ -29,13 +29,14 @@ def main(argv: list[str] | None = None) -> None:
     peers.main([*(QUICK_TIMED if args.quick else []), *out])
     plot.main(["--results", str(args.out or common.RESULTS)])
     if not args.quick:
-        from . import coordinator, flax_gemma, fsdp_scale, gpu_presets, tpu_presets
+        from . import coordinator, experts, flax_gemma, fsdp_scale, gpu_presets, tpu_presets
 
         coordinator.main(["--out", str((args.out or common.RESULTS) / "coordinator.json")])
         tpu_presets.main(out)
         gpu_presets.main(out)
         fsdp_scale.main(out)
         flax_gemma.main(out)
+        experts.main(out)
 
 
 if __name__ == "__main__":

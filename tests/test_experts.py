@@ -299,3 +299,21 @@ def test_moe_decoder_compiles_for_tpu_and_gpu_with_ragged_all_to_all(platform):
     assert report.dispatch_min_bytes_per_device == pytest.approx(cfg.layers * 6 * rows * 3 / 4)
     assert report.dispatch_bytes_per_device >= report.dispatch_min_bytes_per_device
     assert report.peak_bytes_per_device < 64 << 20
+
+
+def test_experts_benchmark_table_is_the_guide_s():
+    """The large-models guide's MoE table is ``benchmarks.experts --markdown`` of the
+    results file, and the results hold what the guide says of them."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import experts
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "results" / "experts.json").read_text())["rows"]
+    guide = (root / "docs" / "guides" / "large_models.md").read_text()
+    assert experts.markdown(rows) in guide
+    mixtral = next(r for r in rows if r["size"] == "mixtral-8x7b" and r["topology"] == "v5p:4x4x2")
+    assert mixtral["maxtext_peak_gib"] == 28.00 and mixtral["fits"]
+    assert f"{mixtral['peak_gib']:.2f} GiB" in guide
+    assert all(r["dispatch_mib"] >= r["dispatch_min_mib"] > 0 for r in rows)

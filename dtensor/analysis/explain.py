@@ -55,7 +55,7 @@ from dtensor.analysis.findings import (
 )
 from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
-from dtensor.analysis.minimum import dispatch_minimum, minimum_for
+from dtensor.analysis.minimum import dispatch_minimum, layout_axes, minimum_for
 from dtensor.analysis.minimum import split_over_data as _split_over_data
 from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
@@ -160,6 +160,7 @@ def explain(
     ideal_peak: Callable[[PeakTerms], int] | None = None,
     advice: str | None = None,
     model_flops: float | None = None,
+    kept_axes: Callable[[str], tuple[str, ...]] | None = None,
     **kwargs: Any,
 ) -> Report:
     """Compile ``fn(*args, **kwargs)`` (never run it) and report its cost.
@@ -197,6 +198,11 @@ def explain(
         model_flops: the model FLOPs of one call (``6 x parameters x
             tokens`` plus attention), for ``Report.mfu_ceiling``; also
             settable later with ``Report.with_model_flops``.
+        kept_axes: ``path -> axes``: data axes a variable stays split over
+            where it is computed, never gathered (HybridStrategy's expert
+            stacks keep ``expert``: the tokens come to them); for that
+            variable they count as model axes in the minimum and the ideal
+            peak.
         **kwargs: keyword arguments of ``fn`` (any but the names above).
 
     Returns:
@@ -261,6 +267,7 @@ def explain(
         data,
         expect_sharded,
         replicated_warn_bytes,
+        kept_axes,
     )
     findings += var_findings
     findings += full_size_reductions(infos, collectives, data)
@@ -268,10 +275,12 @@ def explain(
     mem = compiled.memory_analysis()
     n_devices = mesh.size if mesh is not None else 1
     jaxpr = traced.jaxpr if traced is not None else None
-    terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh)
+    terms = _peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh, kept_axes)
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
     floor = floor_for(jaxpr, collectives, _network_bytes(collectives, "dcn", slices), mesh)
-    minimum, references = minimum_for(jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh)
+    minimum, references = minimum_for(
+        jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh, kept_axes
+    )
     dispatch, capacity = (
         dispatch_minimum(jaxpr, mesh.shape if mesh is not None else {})
         if jaxpr is not None
@@ -331,14 +340,19 @@ def _peak_terms(
     infos: list[tuple[VariableInfo, float]],
     data: tuple[str, ...],
     mesh: Mesh | None,
+    kept_axes: Callable[[str], tuple[str, ...]] | None = None,
 ) -> PeakTerms:
     """The figures of the ideal-peak formula (:mod:`dtensor.analysis.peak`)."""
     sizes = mesh.shape if mesh is not None else {}
     replicas = math.prod(sizes.get(a, 1) for a in data)
     gathered = []
     for v, _ in infos:  # trainable variables split over a data axis are gathered (ZeRO-3)
-        if v.trainable and _split_over_data(v, data):
-            gathered.append(v.global_bytes)
+        kept = tuple(kept_axes(v.path)) if kept_axes else ()
+        own = tuple(a for a in data if a not in kept)
+        if v.trainable and _split_over_data(v, own):
+            # ... whole but for the axes it keeps (an expert stack: its own experts).
+            stays = math.prod(sizes.get(a, 1) for a in kept if a in layout_axes(v))
+            gathered.append(v.global_bytes // stays)
     batch = 0
     prefixes: list[tuple[int, ...]] = []
     for i, arg in enumerate(args):
@@ -440,6 +454,7 @@ def _variables(
     data: tuple[str, ...],
     expect_sharded: bool,
     warn_bytes: int,
+    kept_axes: Callable[[str], tuple[str, ...]] | None = None,
 ) -> tuple[list[tuple[VariableInfo, float]], list[Finding]]:
     """The table rows (each with its minimum communication) and their warnings."""
     leaves = [
@@ -465,7 +480,8 @@ def _variables(
         trainable = bool(grad_paths(p)) if grad_paths else _default_trainable(p, dtype)
         rule = rule_of[k] if rule_of is not None else None
         info = VariableInfo(p, shape, str(dtype), text, rule, local, nbytes, trainable)
-        rows.append((info, min_comm_bytes(nbytes, lay, data) if trainable else 0.0))
+        own = tuple(a for a in data if a not in (kept_axes(p) if kept_axes else ()))
+        rows.append((info, min_comm_bytes(nbytes, lay, own) if trainable else 0.0))
         if rule_of is not None and rule is None:
             msg = (
                 f"{p} {list(shape)} matched no layout rule, so it is laid out {text}; add a "

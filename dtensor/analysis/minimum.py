@@ -165,12 +165,18 @@ def minimum_for(
     infos: list[tuple[VariableInfo, float]],
     data: tuple[str, ...],
     mesh: Mesh | None,
+    kept_axes: Any = None,
 ) -> tuple[float, dict[str, float] | None]:
     """The minimum over the variables (the ZeRO reference of those split over the data
     axes, or the per-matmul one where it is lower) and the two references by name
     (``None`` when no variable is split over the data axes or the jaxpr is unknown)."""
     sizes = mesh.shape if mesh is not None else {}
-    split = [split_over_data(v, data) and v.trainable for v, _ in infos]
+
+    def own(v: VariableInfo) -> tuple[str, ...]:  # the data axes a variable is gathered over
+        kept = tuple(kept_axes(v.path)) if kept_axes else ()
+        return tuple(a for a in data if a not in kept)
+
+    split = [split_over_data(v, own(v)) and v.trainable for v, _ in infos]
     zero = sum(m for (_, m), s in zip(infos, split, strict=True) if s)
     rest = sum(m for (_, m), s in zip(infos, split, strict=True) if not s)
     n_inputs = len(jax.tree.leaves((args, kwargs)))
@@ -184,7 +190,7 @@ def minimum_for(
             continue
         (v, _), is_split = next(rows)
         if is_split:
-            shards[offset + i] = math.prod(sizes.get(a, 1) for a in data if a in layout_axes(v))
+            shards[offset + i] = math.prod(sizes.get(a, 1) for a in own(v) if a in layout_axes(v))
     replicas = math.prod(sizes.get(a, 1) for a in data)
     per_matmul = matmul_reference(jaxpr, shards, replicas)
     references = (rest + zero, rest + per_matmul)

@@ -90,6 +90,7 @@ def explain_step(
                 activation_bytes_min=s.activation_bytes_min(state, rules, arrays),
                 ideal_peak=s.ideal_peak_bytes,
                 advice=s.memory_advice(),
+                kept_axes=getattr(s, "kept_axes", None),
             )
         except ValueError as err:  # JAX's, from tracing the user's step
             ours = explicit_axes_error(err, s, "explain()")
