@@ -85,11 +85,25 @@ class DecoderConfig:
     experts: int = 0
     experts_per_token: int = 2
     aux_loss_weight: float = 0.01
+    #: ``"xla"``: attention as einsums (float32 scores of ``[batch, heads, seq, seq]``);
+    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept).
+    attention: str = "xla"
 
     def __post_init__(self) -> None:
         if self.block not in BLOCKS:
             raise ValueError(
                 f"DecoderConfig(block={self.block!r}) is not a block kind; valid: {BLOCKS}."
+            )
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"DecoderConfig(attention={self.attention!r}) is not an attention kind; valid: "
+                f"{ATTENTION}."
+            )
+        if self.attention == "splash" and self.block == "gemma3":
+            raise ValueError(
+                "DecoderConfig(attention='splash') with block='gemma3': its sliding-window "
+                "layers' windows are traced per layer, which splash's static masks cannot "
+                "take; use attention='xla' for Gemma 3."
             )
         if self.experts and not 0 < self.experts_per_token <= self.experts:
             raise ValueError(
@@ -109,6 +123,8 @@ class DecoderConfig:
 
 #: The block kinds.
 BLOCKS = ("gemma", "gemma3", "llama")
+#: The attention implementations.
+ATTENTION = ("xla", "splash")
 
 
 #: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b``,
@@ -297,6 +313,9 @@ class Attention(nnx.Module):
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, group, hd) * (hd**-0.5)
+        if cfg.attention == "splash" and window is None:
+            ctx = splash_attention(q, k, v).reshape(b, s, cfg.heads, hd)
+            return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         causal = positions[:, None] >= positions[None, :]
         if window is not None:  # a sliding-window layer sees the last ``window`` positions
@@ -305,6 +324,49 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
         return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention by the Pallas splash kernel (TPU only): ``q`` of
+    ``(batch, seq, kv_heads, group, head_dim)``, already scaled, ``k``/``v`` of ``(batch,
+    seq, kv_heads, head_dim)``; returns ``q``'s shape. One MQA kernel per KV head (vmapped
+    over the batch and the KV heads), in a ``jax.shard_map`` over the mesh axes the batch
+    is split over (a Pallas kernel is not partitioned by XLA)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.sharding import PartitionSpec as P
+
+    import dtensor
+
+    b, s, _, group, _ = q.shape
+    block = min(512, s)
+    sizes = sk.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    kernel = sk.make_splash_mqa_single_device(
+        sm.MultiHeadMask([sm.CausalMask((s, s))] * group), block_sizes=sizes
+    )
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        out = jax.vmap(jax.vmap(kernel))(qh, kh, vh)  # (batch, kv_heads, group, seq, hd)
+        return out.transpose(0, 3, 1, 2, 4)
+
+    mesh = dtensor.current_mesh()
+    if mesh is None or mesh.size == 1:
+        return local(q, k, v)
+    axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1)
+    heads = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+    spec = P(axes or None, None, heads)
+    return jax.shard_map(
+        local, mesh=mesh.jax_mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )(q, k, v)
 
 
 class MLP(nnx.Module):

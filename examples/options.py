@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     )
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument(
+        "--attention",
+        choices=["xla", "splash"],
+        default=None,
+        help="decoder: attention as XLA einsums (the default) or the Pallas splash kernel (TPU)",
+    )
+    p.add_argument(
         "--remat-policy",
         default=None,
         help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
@@ -173,6 +179,8 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     applied: dict[str, str] = {}
     model_changes: dict[str, object] = {}
     decoder = block_cls is not None
+    if getattr(args, "attention", None) and decoder:
+        model_changes["attention"] = args.attention
     if args.mixed_precision in ("bf16", "bf16-compute"):
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
             extra = {"module_dtype": True} if args.mixed_precision == "bf16-compute" else {}

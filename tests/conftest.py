@@ -120,6 +120,11 @@ EXTENDED = {
     "tests/test_flax_gemma.py::test_flax_gemma_trains_under_fully_sharded_as_on_one_device"
     "[xla]": "variant",
     "tests/test_demo.py::test_demo_quiet_under_the_launcher": "variant",
+    # MoE: expert=4 and data x fsdp x expert = 2 x 2 x 2 scanned stay in make test
+    "tests/test_experts.py::test_moe_decoder_trains_under_hybrid_expert_as_on_one_device"
+    "[data2-fsdp2-expert2]": "variant",
+    "tests/test_experts.py::test_moe_decoder_trains_under_hybrid_expert_as_on_one_device"
+    "[fsdp2-expert4-scan-remat]": "variant",
 }
 
 
