@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -18,6 +17,7 @@ import dtensor
 import strategies
 from examples.decoder import CONFIGS, Block, Decoder, loss_fn
 from strategies.presets.tensor_parallel import expert_dim
+from tests.test_decoder import _batches, _build, _step
 
 E, D, F, K = 8, 16, 32, 2
 
@@ -145,26 +145,6 @@ def test_expert_rule_and_hybrid_expert_layouts():
 
 
 # ------------------------------------------------------------------------- the decoder
-def _batches(cfg, n=3, batch=8, seq=16):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        w = rng.integers(0, cfg.vocab, size=(batch, seq + 1)).astype(np.int32)
-        out.append({"x": w[:, :-1], "y": w[:, 1:]})
-    return out
-
-
-def _step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return loss
-
-
-def _build(cfg):
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-
 def test_moe_decoder_aux_loss_and_counts():
     cfg = CONFIGS["tiny-moe"]
     model = Decoder(cfg, rngs=nnx.Rngs(0))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DISPATCH_SCOPE", "TOKEN_AXES", "dispatch_bytes", "expert_mlp", "routed_scope"]
+__all__ = ["DISPATCH_SCOPE", "TOKEN_AXES", "expert_mlp", "routed_scope"]
 
 #: The name scope of the dispatch (``explain`` finds its all-to-alls by it).
 DISPATCH_SCOPE = "expert_dispatch"
@@ -147,22 +147,6 @@ def expert_mlp(
         check_vma=False,
     )
     return run(tokens, ids, weights, w_gate, w_up, w_down).reshape(*lead, d)
-
-
-def dispatch_bytes(tokens: int, k: int, d_model: int, itemsize: int, n: int) -> float:
-    """The fewest bytes one device sends over ``expert`` (size ``n``) per step for one MoE
-    layer: each of its ``tokens x k`` routed rows leaves for another device with probability
-    ``(n-1)/n`` (balanced routing) and comes back, in the forward pass and again (as
-    gradients) in the backward pass.
-
-    Examples:
-        >>> from dtensor.core.experts import dispatch_bytes
-        >>> dispatch_bytes(1024, 2, 4096, 2, 8) / 2**20   # MiB
-        56.0
-    """
-    if n <= 1:
-        return 0.0
-    return 4.0 * tokens * k * d_model * itemsize * (n - 1) / n
 
 
 # ------------------------------------------------------------------------------- per device
