@@ -33,9 +33,9 @@ def _step(model, optimizer, batch):
     return loss
 
 
-def _build(cfg):
+def _build(cfg, eps=1e-8):
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=eps), wrt=nnx.Param)
 
 
 def _reference(cfg, batches):

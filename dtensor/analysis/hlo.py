@@ -131,10 +131,11 @@ def parse_collectives(
             if ins.opcode == "send" and net is not None and _MEGASCALE in ins.rest:
                 out.extend(_dcn_transfer(ins, mults[comp], mesh_shape, net))
                 continue
-            if ins.opcode == "ragged-all-to-all-start":  # XLA:GPU: ((operands...), result)
-                shapes = [(t, d) for t, d in parse_shapes(ins.shape) if t != "token"]
-                small = min((shapes[0], shapes[-1]), key=lambda td: math.prod(td[1]))
-                sent = f"{small[0]}[{','.join(map(str, small[1]))}]"
+            if ins.opcode == "ragged-all-to-all-start":
+                # Async (XLA:GPU; libtpu from 0.0.3x): ``((operands...), result, ...)`` with
+                # trailing tokens or u32 scalars; the first operand is the input buffer.
+                operands, result = _tuple_items(ins.shape)[:2]
+                sent = min(_tuple_items(operands)[0], result, key=_shape_elements)
                 out.extend(
                     _collective("all-to-all", ins, sent, mults[comp], mesh_shape, num_devices, net)
                 )
@@ -159,6 +160,25 @@ def parse_collectives(
         fake = "(" + ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in half) + ")"
         out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices, net))
     return out
+
+
+def _tuple_items(shape: str) -> list[str]:
+    """The top-level items of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array."""
+    shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    items, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (depth == 0 and i > 0):
+            items.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0 and i > 0:
+            break
+    return [it for it in items if it]
 
 
 def _shape_elements(shape: str) -> int:
