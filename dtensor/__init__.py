@@ -13,6 +13,8 @@ from dtensor.core.arrays import fetch_layout as fetch_layout
 from dtensor.core.arrays import pack as pack
 from dtensor.core.arrays import relayout as relayout
 from dtensor.core.arrays import unpack as unpack
+from dtensor.core.attention import context_attention as context_attention
+from dtensor.core.attention import context_mode as context_mode
 from dtensor.core.collectives import all_gather as all_gather
 from dtensor.core.collectives import all_reduce as all_reduce
 from dtensor.core.collectives import broadcast as broadcast
@@ -65,6 +67,8 @@ __all__ = [
     "check_layout",
     "checkpoint",
     "client_id",
+    "context_attention",
+    "context_mode",
     "copy_to_mesh",
     "create_distributed_mesh",
     "create_mesh",

@@ -313,6 +313,13 @@ class Attention(nnx.Module):
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, group, hd) * (hd**-0.5)
+        if _context_size() > 1:  # the sequence split over a ``context`` mesh axis
+            import dtensor
+
+            ctx = dtensor.context_attention(
+                q.reshape(b, s, cfg.heads, hd), k, v, causal=True, window=window, scale=1.0
+            )
+            return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
         if cfg.attention == "splash" and window is None:
             ctx = splash_attention(q, k, v).reshape(b, s, cfg.heads, hd)
             return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
@@ -324,6 +331,17 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
         return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
+
+
+def _context_size() -> int:
+    """The size of the current mesh's ``context`` axis (1 without one)."""
+    import dtensor
+
+    mesh = dtensor.current_mesh()
+    if mesh is not None:
+        return mesh.shape.get("context", 1)
+    abstract = jax.sharding.get_abstract_mesh()
+    return 1 if abstract.empty else dict(abstract.shape).get("context", 1)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -82,6 +82,8 @@ class Collective:
             see :func:`ring_bytes`).
         count: executions per call of the program (loop trip counts).
         name: the HLO instruction's name.
+        op_name: its ``metadata={op_name=...}``: JAX's name stack (``jax.named_scope``),
+            as ``.../context_attention/...`` for :func:`dtensor.context_attention`'s exchange.
         network: ``"ici"`` (within a TPU slice), ``"dcn"`` (across slices),
             ``"nvlink"`` (within a GPU host), ``"ib"`` (across GPU hosts:
             InfiniBand or RoCE), or ``""`` when unknown. For a DCN
@@ -97,6 +99,7 @@ class Collective:
     count: int = 1
     name: str = ""
     network: str = ""
+    op_name: str = dataclasses.field(default="", repr=False, compare=False)
 
     @property
     def total_bytes_per_device(self) -> float:

@@ -59,6 +59,7 @@ from dtensor.analysis.minimum import dispatch_minimum, layout_axes, minimum_for
 from dtensor.analysis.minimum import split_over_data as _split_over_data
 from dtensor.analysis.peak import PeakTerms, activation_peak_bytes, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report, VariableInfo, layout_text
+from dtensor.core.attention import CONTEXT_SCOPE
 from dtensor.core.layout import Layout
 from dtensor.core.mesh import Mesh
 from dtensor.core.text import human_bytes
@@ -291,6 +292,7 @@ def explain(
         for c in collectives
         if c.kind == "all-to-all" and "expert" in c.mesh_axes
     )
+    context = sum(c.total_bytes_per_device for c in collectives if CONTEXT_SCOPE in c.op_name)
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
@@ -320,6 +322,7 @@ def explain(
         dispatch_bytes_per_device=float(dispatched) if capacity is not None else 0.0,
         dispatch_min_bytes_per_device=dispatch,
         dispatch_capacity=capacity,
+        context_bytes_per_device=float(context),
     )
 
 

@@ -240,6 +240,8 @@ def _collective(
         axes = groups_to_axes(groups, mesh_shape)
         n = len(groups[0]) if groups else num_devices
         network = net.network(groups) if net is not None else ""
+    found = re.search(r'op_name="([^"]*)"', ins.rest)
+    op_name = found.group(1) if found else ""
     return [
         Collective(
             kind=kind,
@@ -251,6 +253,7 @@ def _collective(
             count=count,
             name=ins.name,
             network=network,
+            op_name=op_name,
         )
         for dtype, dims in parse_shapes(shape)
         if dtype != "token"

@@ -100,6 +100,10 @@ class Report:
     receive buffers hold per row routed (``n``, the expert-parallel size, for
     dropless routing: any imbalance fits), ``None`` without a dispatch
     (:func:`dtensor.analysis.minimum.dispatch_minimum`).
+    ``context_bytes_per_device``: what :func:`dtensor.context_attention` moves
+    over the ``context`` axis (its K/V all-gathers or ring permutes and the
+    load-balancing permutes, forward and backward: the collectives under its
+    name scope), part of ``comm_bytes_per_device`` (0 without a context axis).
     """
 
     collectives: tuple[Collective, ...]
@@ -130,6 +134,7 @@ class Report:
     dispatch_bytes_per_device: float = 0.0
     dispatch_min_bytes_per_device: float = 0.0
     dispatch_capacity: float | None = None
+    context_bytes_per_device: float = 0.0
 
     @property
     def step_time_floor_seconds(self) -> float | None:
@@ -310,6 +315,12 @@ def _render(report: Report) -> str:
             ("  MoE dispatch, minimum", human_bytes(report.dispatch_min_bytes_per_device)),
             ("  MoE receive buffers / rows routed", f"{report.dispatch_capacity:.0f}x (dropless)"),
         ]
+    if report.context_bytes_per_device:
+        at = 1 + len(network_rows(report))
+        rows.insert(
+            at,
+            ("  attention over context (K/V)", human_bytes(report.context_bytes_per_device)),
+        )
     floor = report.step_floor
     if floor is not None:
         rows.append((f"step-time floor ({floor.bound}-bound)", f"{floor.seconds * 1e3:.1f} ms"))

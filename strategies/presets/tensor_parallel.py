@@ -14,10 +14,13 @@ import numpy as np
 
 import dtensor
 from dtensor import Layout, LayoutMap
+from dtensor.core.attention import MODES as CONTEXT_MODES
+from dtensor.core.attention import context_mode as _context_mode
 from dtensor.core.tree import leaf_value, path_str
 from strategies.base import Strategy
 from strategies.placement.sharding import nbytes, shard_largest_dim
 from strategies.placement.slices import slice_mesh
+from strategies.reads.attention import route_attention_fns, routed_flax_attention
 from strategies.reads.mixed_precision import MixedPrecision
 from strategies.reads.param_reads import ReadOptions
 from strategies.reads.swaps import check_remat
@@ -37,6 +40,7 @@ _ATTN_IN = re.compile(r"^(query|key|value|q_proj|k_proj|v_proj|q|k|v)$")
 _ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
 _EMBED = re.compile(r"^(embedding|embed|wte|tok_embeddings|token_embedding)$")
 _E = "expert"
+_C = "context"
 
 
 def expert_dim(path: str, shape: Sequence[int]) -> int | None:
@@ -214,18 +218,38 @@ class HybridStrategy(Strategy):
         gather_at_read: bool | None = None,
         across_slices: str | None = None,
         expert: int = 1,
+        context: int = 1,
+        context_mode: str = "gather",
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
-        if not isinstance(expert, int) or expert < 1:
+        for name, size in (("expert", expert), ("context", context)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"HybridStrategy({name}={size!r}): the {name}-parallel size must be a "
+                    f"positive integer (1: no {name} axis)."
+                )
+        if context_mode not in CONTEXT_MODES:
             raise ValueError(
-                f"HybridStrategy(expert={expert!r}): the expert-parallel size must be a positive "
-                "integer (1: no expert axis)."
+                f"HybridStrategy(context_mode={context_mode!r}): valid modes are "
+                f"{CONTEXT_MODES} ('gather': keys and values all-gathered over 'context'; "
+                "'ring': passed round a ring of collective permutes)."
             )
         dims = [("data", data), ("fsdp", fsdp), ("tensor", tensor)]
-        if expert > 1:  # an axis of size 1 is left out of the mesh
-            dims.insert(2, (_E, expert))
+        if context > 1:  # an axis of size 1 is left out of the mesh
+            dims.insert(2, (_C, context))
+        if expert > 1:
+            dims.insert(len(dims) - 1, (_E, expert))
         mesh, self.across_slices = slice_mesh(dims, devices, across_slices)
         self.expert = expert
+        self.context = context
+        self.context_mode = context_mode
+        if gather_at_read and context > 1:
+            raise ValueError(
+                f"HybridStrategy(gather_at_read=True) needs context=1 (got context={context}): "
+                "gathering at reads traces the step with every mesh axis Explicit, where the "
+                "sequence split over 'context' has no defined layout through the model's "
+                "reshapes. Pass gather_at_read=False (or None) to leave the fsdp gathers to XLA."
+            )
         if gather_at_read and expert > 1:
             raise ValueError(
                 f"HybridStrategy(gather_at_read=True) needs expert=1 (got expert={expert}): "
@@ -235,7 +259,10 @@ class HybridStrategy(Strategy):
             )
         if gather_at_read is None:  # by the compiler of the platform the step runs on
             gather_at_read = (
-                devices[0].platform == "cpu" and mesh.shape["tensor"] == 1 and expert == 1
+                devices[0].platform == "cpu"
+                and mesh.shape["tensor"] == 1
+                and expert == 1
+                and context == 1
             )
         elif gather_at_read and mesh.shape["tensor"] > 1:
             raise ValueError(
@@ -340,17 +367,43 @@ class HybridStrategy(Strategy):
         specs, _ = self._tensor_specs(path, leaf)
         specs = [None if s == dtensor.UNSHARDED else s for s in specs]
         shape = np.shape(leaf_value(leaf))
-        fsdp = self.mesh.shape["fsdp"]
+        # FSDP over fsdp and context together (MaxText's plan: the sequence-split devices
+        # share the weights' storage too); dense variables over expert as well, so each of
+        # those devices keeps 1/(fsdp x context x expert) of them.
+        axes = [a for a in ("fsdp", _C) if self.mesh.shape.get(a, 1) > 1]
         if self.expert > 1 and _E not in specs and expert_dim(path, shape) is None:
-            # Not an expert stack: FSDP over fsdp and expert together (MaxText's plan), so
-            # each of those devices keeps 1/(fsdp x expert) of the dense weights.
-            axes = ("fsdp", _E) if fsdp > 1 else _E
-            if nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
-                return Layout(shard_largest_dim(specs, shape, axes, fsdp * self.expert), self.mesh)
-            return Layout(specs, self.mesh)
-        if fsdp > 1 and nbytes(leaf) >= self.min_shard_bytes and "fsdp" not in specs:
-            specs = shard_largest_dim(specs, shape, "fsdp", fsdp)
+            axes.append(_E)
+        n = math.prod(self.mesh.shape[a] for a in axes)
+        if axes and nbytes(leaf) >= self.min_shard_bytes and not set(axes) & set(specs):
+            entry = axes[0] if len(axes) == 1 else tuple(axes)
+            specs = shard_largest_dim(specs, shape, entry, n)
         return Layout(specs, self.mesh)
+
+    def batch_layout(self, rank: int) -> Layout:
+        """Dimension 0 over the batch axes; with ``context``, dimension 1 (the sequence) over it."""
+        layout = super().batch_layout(rank)
+        if self.context == 1 or rank < 2:
+            return layout
+        specs = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
+        specs[1] = _C
+        return Layout(specs, self.mesh)
+
+    def trace_step(self, call: Any, state: Any, arrays: Any, layouts: Any, shardings: Any) -> Any:
+        """With ``context``: the step traced with :func:`dtensor.context_attention` in this
+        preset's ``context_mode``, Flax's attention routed to it (:mod:`strategies.reads.attention`)."""
+        if self.context == 1:
+            return super().trace_step(call, state, arrays, layouts, shardings)
+
+        def routed(state: Any, arrays: Any, *, prepare: Any = None) -> Any:
+            def both(nodes: Any) -> None:
+                route_attention_fns(nodes)
+                if prepare is not None:
+                    prepare(nodes)
+
+            return call(state, arrays, prepare=both)
+
+        with _context_mode(self.context_mode), routed_flax_attention():
+            return super().trace_step(routed, state, arrays, layouts, shardings)
 
     def kept_axes(self, path: str) -> tuple[str, ...]:
         """Mesh axes a read of ``path`` keeps split (an expert stack keeps ``expert``)."""
@@ -406,7 +459,7 @@ class HybridStrategy(Strategy):
         fsdp = self.mesh.shape["fsdp"] > 1
         gather = fsdp and self.gather_at_read
         return ReadOptions(
-            axes=self.batch_axes if gather else ("fsdp",),
+            axes=self.batch_axes if gather else ("fsdp", _C) if self.context > 1 else ("fsdp",),
             gather=gather,
             # Every mesh axis Explicit when gathering (``tensor`` is 1): JAX types the
             # gathered ``reduced`` weights and their ``unreduced`` gradients only then.
@@ -427,10 +480,14 @@ class HybridStrategy(Strategy):
             # ... and each layer's inputs split along the sequence over ``tensor`` (Megatron's
             # sequence parallelism), so the layer inputs kept for the backward pass are not
             # copied on each ``tensor`` device (tensor=4: 27.7 -> 24.7 GiB a chip).
-            sequence_axes=("tensor",) if not gather and self.mesh.shape["tensor"] > 1 else (),
+            # With ``context``, the sequence stays split over it through every layer.
+            sequence_axes=tuple(
+                a for a in (_C, "tensor") if not gather and self.mesh.shape.get(a, 1) > 1
+            ),
             # ... but an expert stack's layer stays split over ``expert``: dtensor.expert_mlp
             # runs each device's experts where they are.
             kept_axes=self.kept_axes if self.expert > 1 else None,
+            layer_gather_axes=(_C,) if self.context > 1 else (),
         )
 
     def rule_name(self, path: str, leaf: Any) -> str | None:

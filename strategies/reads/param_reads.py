@@ -81,6 +81,10 @@ class ReadOptions:
     # Under ``layer_gather``: the mesh axes a variable's layer reads keep split, by its path
     # (``"a/b/c"``); HybridStrategy's expert stacks keep ``expert``.
     kept_axes: Callable[[str], tuple[str, ...]] | None = None
+    # Under ``layer_gather``: more axes a layer's read is gathered over besides ``batch_axes``
+    # (HybridStrategy's ``context``, which splits the weights with ``fsdp`` but the sequence,
+    # not the batch, of the activations).
+    layer_gather_axes: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -196,7 +200,7 @@ def _traced(
                 read = _whole_or_layer_reads(gather, key, layout.partition_spec, node, mp)
                 key += 1
             elif sharded and options.layer_gather and isinstance(layout, Layout):
-                axes = options.batch_axes
+                axes = options.batch_axes + options.layer_gather_axes
                 if options.kept_axes is not None:
                     kept = options.kept_axes("/".join(str(p) for p in path))
                     axes = tuple(a for a in axes if a not in kept)

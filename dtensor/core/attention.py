@@ -1,0 +1,377 @@
+"""Attention with the sequence split over a ``context`` mesh axis (context parallelism).
+
+:func:`context_attention` is the one call a hand-written attention makes
+(``flax.nnx.dot_product_attention``'s arguments, plus ``causal=`` and
+``window=``). Without a ``context`` axis in the mesh it is plain attention
+(float32 scores and softmax). Under a mesh whose ``context`` axis has size
+``C`` the query, key and value arrive split along the sequence (each device a
+contiguous ``1/C`` of it, as HybridStrategy(context=C) lays activations out)
+and each device computes the attention of its own queries, in one of two modes:
+
+- ``"gather"`` (MaxText's default): the keys and values are all-gathered over
+  ``context`` (``2 x (C - 1) / C`` of the K/V bytes in, per device) and each
+  device attends its ``S / C`` queries to all ``S`` keys: scores
+  ``[S / C, S]`` per head.
+- ``"ring"`` (ring attention, as PyTorch's ``context_parallel``): the keys and
+  values go round a ring of ``C - 1`` collective permutes over ``context``
+  (each one overlapping the attention of the block before it); each device
+  folds one ``[S / C, S / C]`` block of scores a step into a running softmax
+  (float32 maximum, sum and output), recomputed in the backward pass
+  (``jax.checkpoint``). Causal attention is load-balanced: the queries, keys
+  and values are first re-laid so that device ``i`` holds the ``i``-th and the
+  ``(2C - 1 - i)``-th of ``2C`` chunks (two collective permutes, the output
+  back by two more), and every ring step computes half a block on every device
+  (the masked half is skipped), where the contiguous layout makes the last
+  device compute a whole block at every step while the first skips all but one.
+
+Heads are split over ``tensor`` (when it divides the key/value heads) and the
+batch over the batch axes (``data``, ``fsdp``, ``expert``), so attention needs
+no other communication. ``mask`` (``True``: attend, broadcastable to ``[batch,
+heads, q, k]``) works in both modes; with it the ring runs whole blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["CONTEXT_SCOPE", "MODES", "context_attention", "context_mode"]
+
+#: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
+CONTEXT_SCOPE = "context_attention"
+
+#: The modes of :func:`context_attention` under a ``context`` axis.
+MODES = ("gather", "ring")
+
+_BATCH_AXES = ("data", "fsdp", "expert")
+_mode: list[str] = ["gather"]
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+
+
+@contextlib.contextmanager
+def context_mode(mode: str) -> Iterator[None]:
+    """Within the block, :func:`context_attention` defaults to ``mode`` (HybridStrategy
+    sets its ``context_mode`` around each step it traces)."""
+    if mode not in MODES:
+        raise ValueError(f"context_mode({mode!r}): valid modes are {MODES}.")
+    _mode.append(mode)
+    try:
+        yield
+    finally:
+        _mode.pop()
+
+
+def context_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool = False,
+    mask: jax.Array | None = None,
+    window: Any = None,
+    scale: float | None = None,
+    mode: str | None = None,
+    axis: str = "context",
+    batch_axes: Sequence[str] | None = None,
+    head_axis: str = "tensor",
+) -> jax.Array:
+    """Multi-head (or grouped-query) attention, split over a ``context`` mesh axis.
+
+    ``out[b, q, h] = sum_k softmax_k(scale * query[b, q, h] . key[b, k, h']) value[b, k, h']``
+    with ``h' = h // (heads / kv_heads)``, over the keys ``mask`` and ``causal``
+    allow.
+
+    Args:
+        query: ``[batch, q_len, heads, head_dim]``.
+        key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+        causal: each query attends the keys at or before its position
+            (``q_len == kv_len``).
+        mask: ``True`` where a query may attend a key, broadcastable to
+            ``[batch, heads, q_len, kv_len]`` (``flax.nnx.dot_product_attention``'s
+            convention), or ``None``.
+        window: with ``causal``, only the last ``window`` positions (a sliding
+            window, Gemma 3's local layers; may be traced); ``None``: all.
+        scale: the scores' factor (default ``head_dim ** -0.5``).
+        mode: ``"gather"`` or ``"ring"`` under a ``context`` axis (default: the
+            innermost :func:`context_mode`, else ``"gather"``).
+        axis: the mesh axis the sequence is split over.
+        batch_axes: the mesh axes the batch is split over (default: those of
+            ``data``, ``fsdp``, ``expert`` the mesh has).
+        head_axis: the mesh axis the heads are split over where it divides them.
+
+    Returns:
+        ``[batch, q_len, heads, head_dim]`` in ``query``'s dtype.
+
+    Raises:
+        ValueError: the shapes disagree, or the sequence does not divide over
+            ``axis`` (twice its size for load-balanced causal ring attention).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> q = k = v = jnp.ones((1, 4, 2, 8))
+        >>> out = dtensor.context_attention(q, k, v, causal=True)
+        >>> out.shape, float(out[0, 3, 1, 0])
+        ((1, 4, 2, 8), 1.0)
+    """
+    _check(query, key, value, causal)
+    mode = _mode[-1] if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"dtensor.context_attention(mode={mode!r}): valid modes are {MODES}.")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    mesh = _mesh()
+    c = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
+    if mesh is None or c == 1:
+        qpos = jnp.arange(query.shape[1])
+        kpos = jnp.arange(key.shape[1])
+        return _attend(query, key, value, qpos, kpos, causal, window, mask, scale)
+    s = query.shape[1]
+    balanced = mode == "ring" and causal and mask is None
+    chunks = 2 * c if balanced else c
+    if s % chunks or key.shape[1] % c:
+        raise ValueError(
+            f"dtensor.context_attention: the sequence ({s} queries, {key.shape[1]} keys) does "
+            f"not divide into {chunks} chunks over the mesh axis {axis!r} of size {c} ("
+            f"{_mesh_text(mesh)}; load-balanced causal ring attention cuts it into 2 x {c}). "
+            "Make the sequence length a multiple of it, or choose another context size."
+        )
+    sizes = dict(mesh.shape)
+    if batch_axes is None:
+        batch_axes = tuple(a for a in _BATCH_AXES if sizes.get(a, 1) > 1)
+    batch_axes = tuple(a for a in batch_axes if a != axis)
+    shards = math.prod(sizes[a] for a in batch_axes)
+    if batch_axes and query.shape[0] % shards:
+        batch_axes = ()  # a batch that does not divide stays whole on each device
+    t = sizes.get(head_axis, 1)
+    heads = head_axis if t > 1 and key.shape[2] % t == 0 else None
+    spec = P(batch_axes or None, axis, heads)
+    in_specs: list[Any] = [spec, spec, spec]
+    args: list[Any] = [query, key, value]
+    if mask is not None:
+        m = jnp.asarray(mask)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        m = jnp.broadcast_to(m, m.shape[:2] + (s, key.shape[1]))
+        mb = batch_axes if m.shape[0] == query.shape[0] and batch_axes else None
+        mh = heads if m.shape[1] == query.shape[2] else None
+        in_specs.append(P(mb, mh, axis, None))
+        args.append(m)
+    if window is not None:
+        in_specs.append(P())
+        args.append(jnp.asarray(window))
+
+    def per_device(q, k, v, *rest):
+        it = iter(rest)
+        m = next(it) if mask is not None else None
+        w = next(it) if window is not None else None
+        me = jax.lax.axis_index(axis)
+        if mode == "gather":
+            with jax.named_scope(CONTEXT_SCOPE):
+                k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+                v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+            qpos = me * q.shape[1] + jnp.arange(q.shape[1])
+            kpos = jnp.arange(k_all.shape[1])
+            return _attend(q, k_all, v_all, qpos, kpos, causal, w, m, scale)
+        return _ring(q, k, v, m, w, me, c, axis, causal, balanced, scale)
+
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=spec,
+        check_vma=False,
+    )(*args)
+
+
+def _attend(q, k, v, qpos, kpos, causal, window, mask, scale):
+    """Plain attention (float32 scores and softmax) of ``q`` at ``qpos`` to ``k``/``v`` at ``kpos``."""
+    o, mx, total = _block(q, k, v, qpos, kpos, causal, window, mask, scale)
+    out = o / jnp.maximum(total, 1e-30)[..., None]
+    return _merge_heads(out, q)
+
+
+def _block(q, k, v, qpos, kpos, causal, window, mask, scale):
+    """One block's unnormalised output ``[b, kvh, g, q, d]`` (float32), row maxima and sums."""
+    b, sq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, sq, kvh, h // kvh, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    allow = _allowed(qpos, kpos, causal, window)
+    if mask is not None:
+        mk = mask.reshape(mask.shape[0], -1, 1, sq, k.shape[1])  # (b, heads|1, 1, q, k)
+        if mk.shape[1] == h:
+            mk = mask.reshape(mask.shape[0], kvh, h // kvh, sq, k.shape[1])
+        allow = mk if allow is None else allow & mk
+    if allow is not None:
+        scores = jnp.where(allow, scores, _NEG)
+    mx = scores.max(-1)
+    p = jnp.exp(scores - mx[..., None])
+    if allow is not None:
+        p = jnp.where(allow, p, 0.0)
+    total = p.sum(-1)
+    o = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, mx, total
+
+
+def _allowed(qpos, kpos, causal, window):
+    if not causal:
+        return None
+    diff = qpos[:, None] - kpos[None, :]
+    allow = diff >= 0
+    if window is not None:
+        allow = allow & (diff < window)
+    return allow
+
+
+def _merge_heads(o, q):
+    """``[b, kvh, g, q, d]`` -> ``[b, q, heads, d]`` in ``q``'s dtype."""
+    b, kvh, g, sq, d = o.shape
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, sq, kvh * g, d).astype(q.dtype)
+
+
+def _fold(acc, new):
+    """Fold one block's ``(o, max, sum)`` into the running softmax ``acc``."""
+    o, mx, total = acc
+    o2, mx2, total2 = new
+    m = jnp.maximum(mx, mx2)
+    a, b = jnp.exp(mx - m), jnp.exp(mx2 - m)
+    return o * a[..., None] + o2 * b[..., None], m, total * a + total2 * b
+
+
+def _ring(q, k, v, mask, window, me, c, axis, causal, balanced, scale):
+    n = q.shape[1]  # this device's rows
+    if balanced:
+        q, k, v = (_to_balanced(x, me, c, axis) for x in (q, k, v))
+        half = n // 2
+        front = me * half + jnp.arange(half)
+        qpos = jnp.concatenate([front, (2 * c - 1 - me) * half + jnp.arange(half)])
+    else:
+        qpos = me * n + jnp.arange(n)
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    shape = (b, kvh, h // kvh, n)
+    acc = (jnp.zeros((*shape, d), jnp.float32), jnp.full(shape, _NEG), jnp.zeros(shape))
+    ring = [(i, (i + 1) % c) for i in range(c)]
+
+    @jax.checkpoint
+    def step(acc, k, v, src):
+        kn = k.shape[1]
+        if balanced:
+            half = n // 2
+            kpos = jnp.concatenate(
+                [src * half + jnp.arange(half), (2 * c - 1 - src) * half + jnp.arange(half)]
+            )
+            return _balanced_step(acc, q, k, v, qpos, kpos, src, me, window, scale, half)
+        kpos = src * kn + jnp.arange(kn)
+        m = None if mask is None else jax.lax.dynamic_slice_in_dim(mask, src * kn, kn, axis=3)
+        new = _block(q, k, v, qpos, kpos, causal, window, m, scale)
+        if causal:  # a block wholly after this device's queries adds nothing: skipped
+            return jax.lax.cond(src <= me, lambda: _fold(acc, new), lambda: acc)
+        return _fold(acc, new)
+
+    for i in range(c):
+        src = (me - i) % c
+        if i + 1 < c:
+            with jax.named_scope(CONTEXT_SCOPE):
+                k_next = jax.lax.ppermute(k, axis, ring)
+                v_next = jax.lax.ppermute(v, axis, ring)
+        acc = step(acc, k, v, src)
+        if i + 1 < c:
+            k, v = k_next, v_next
+    o, _, total = acc
+    out = _merge_heads(o / jnp.maximum(total, 1e-30)[..., None], q)
+    return _from_balanced(out, me, c, axis) if balanced else out
+
+
+def _balanced_step(acc, q, k, v, qpos, kpos, src, me, window, scale, half):
+    """One load-balanced causal ring step: half a block of work on every device.
+
+    This device holds query chunks ``(me, 2C-1-me)``, the keys chunks ``(src,
+    2C-1-src)``. ``src < me``: both query chunks see the front key chunk
+    whole, the back one not at all; ``src > me``: the back query chunk sees
+    both key chunks whole, the front one neither; ``src == me``: the diagonal
+    block, causal.
+    """
+
+    def earlier():
+        new = _block(q, k[:, :half], v[:, :half], qpos, kpos[:half], True, window, None, scale)
+        return _fold(acc, new)
+
+    def later():
+        o, mx, total = acc
+        sl = (slice(None),) * 3 + (slice(half, None),)
+        new = _block(q[:, half:], k, v, qpos[half:], kpos, True, window, None, scale)
+        o2, mx2, t2 = _fold((o[sl], mx[sl], total[sl]), new)
+        return o.at[sl].set(o2), mx.at[sl].set(mx2), total.at[sl].set(t2)
+
+    def diagonal():
+        return _fold(acc, _block(q, k, v, qpos, kpos, True, window, None, scale))
+
+    branch = jnp.where(src < me, 0, jnp.where(src > me, 1, 2))
+    return jax.lax.switch(branch, (earlier, later, diagonal))
+
+
+def _dest(j, c):
+    """The device that holds chunk ``j`` of ``2c`` in the load-balanced layout."""
+    return j if j < c else 2 * c - 1 - j
+
+
+def _to_balanced(x, me, c, axis):
+    """Contiguous rows (chunks ``2me``, ``2me+1``) -> load-balanced (``me``, ``2c-1-me``)."""
+    half = x.shape[1] // 2
+    with jax.named_scope(CONTEXT_SCOPE):
+        even = jax.lax.ppermute(x[:, :half], axis, [(s, _dest(2 * s, c)) for s in range(c)])
+        odd = jax.lax.ppermute(x[:, half:], axis, [(s, _dest(2 * s + 1, c)) for s in range(c)])
+    # Front chunk ``me`` came with the even halves when ``me`` is even; the back chunk
+    # ``2c-1-me`` has the other parity.
+    first = me % 2 == 0
+    return jnp.concatenate([jnp.where(first, even, odd), jnp.where(first, odd, even)], axis=1)
+
+
+def _from_balanced(x, me, c, axis):
+    """The inverse of :func:`_to_balanced`."""
+    half = x.shape[1] // 2
+    first = me % 2 == 0
+    front, back = x[:, :half], x[:, half:]
+    even, odd = jnp.where(first, front, back), jnp.where(first, back, front)
+    with jax.named_scope(CONTEXT_SCOPE):
+        even = jax.lax.ppermute(even, axis, [(_dest(2 * s, c), s) for s in range(c)])
+        odd = jax.lax.ppermute(odd, axis, [(_dest(2 * s + 1, c), s) for s in range(c)])
+    return jnp.concatenate([even, odd], axis=1)
+
+
+def _check(query, key, value, causal) -> None:
+    problems = []
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        problems.append("query, key and value must be [batch, length, heads, head_dim]")
+    elif key.shape != value.shape:
+        problems.append(f"key {tuple(key.shape)} and value {tuple(value.shape)} must match")
+    elif query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+        problems.append("query and key must agree on batch and head_dim")
+    elif query.shape[2] % key.shape[2]:
+        problems.append(
+            f"the key/value heads ({key.shape[2]}) must divide the heads ({query.shape[2]})"
+        )
+    elif causal and query.shape[1] != key.shape[1]:
+        problems.append("causal attention needs as many queries as keys")
+    if problems:
+        raise ValueError(
+            f"dtensor.context_attention: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)}: " + "; ".join(problems) + "."
+        )
+
+
+def _mesh() -> Any:
+    from dtensor.core.experts import _mesh as mesh
+
+    return mesh()
+
+
+def _mesh_text(mesh: Any) -> str:
+    return "mesh " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items())

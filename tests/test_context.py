@@ -1,0 +1,272 @@
+"""Context parallelism: dtensor.context_attention, HybridStrategy(context=C, context_mode=...).
+
+Equality with single-device JAX (float32) on 8 CPU devices for the function
+itself, the example decoder and Flax's own attention (``nnx.MultiHeadAttention``
+and ``nnx.dot_product_attention`` called by a model unchanged), gather and
+ring, causal and not; the preset's layouts and errors; the TPU compiler's
+program at a tiny size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dtensor
+import strategies
+from examples.decoder import CONFIGS, Block
+from tests.test_decoder import _batches, _build, _step
+
+B, S, H, KVH, D = 4, 32, 4, 2, 8
+MESHES = {
+    "context4-data2": [("data", 2), ("context", 4)],
+    "data2-fsdp2-context2": [("data", 2), ("fsdp", 2), ("context", 2)],
+    "fsdp2-context2-tensor2": [("fsdp", 2), ("context", 2), ("tensor", 2)],
+}
+
+
+def _qkv(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, S, H, D))
+    k = jax.random.normal(ks[1], (B, S, KVH, D))
+    v = jax.random.normal(ks[2], (B, S, KVH, D))
+    mask = jax.random.bernoulli(ks[3], 0.7, (B, 1, S, S)).at[..., 0].set(True)
+    return q, k, v, mask
+
+
+def _loss(q, k, v, **kw):
+    return (dtensor.context_attention(q, k, v, **kw) ** 2 * jnp.arange(D)).sum()
+
+
+def _close(got, want, rtol, atol=0.0):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        bound = rtol * np.linalg.norm(b) + atol * np.sqrt(b.size)
+        assert np.linalg.norm(a - b) <= bound, (a.shape, np.abs(a - b).max())
+
+
+# --------------------------------------------------------------- dtensor.context_attention
+def test_context_attention_without_a_context_axis_is_jax_s_attention():
+    q, k, v, mask = _qkv()
+    for causal in (True, False):
+        want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        np.testing.assert_allclose(
+            dtensor.context_attention(q, k, v, causal=causal), want, rtol=1e-5, atol=1e-6
+        )
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    got = dtensor.context_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": True},
+        {},
+        {"mask": True},
+        {"causal": True, "mask": True},
+        {"causal": True, "window": 5},
+    ],
+    ids=["causal", "full", "mask", "causal-mask", "causal-window"],
+)
+@pytest.mark.parametrize("dims", list(MESHES.values()), ids=list(MESHES))
+def test_context_attention_under_a_context_axis_matches_one_device(dims, kw, mode):
+    q, k, v, mask = _qkv()
+    kw = {**kw, "mask": mask} if kw.get("mask") else kw
+    want = dtensor.context_attention(q, k, v, **kw)
+    want_grads = jax.grad(_loss, argnums=(0, 1, 2))(q, k, v, **kw)
+    with dtensor.create_mesh(dims):
+        fn = jax.jit(lambda q, k, v: dtensor.context_attention(q, k, v, mode=mode, **kw))
+        got = fn(q, k, v)
+        grads = jax.jit(jax.grad(lambda q, k, v: _loss(q, k, v, mode=mode, **kw), (0, 1, 2)))(
+            q, k, v
+        )
+        text = fn.lower(q, k, v).compile().as_text()
+    _close(got, want, 1e-5)
+    _close(grads, want_grads, 1e-5)
+    # The exchange over ``context`` is the mode's: K/V all-gathers, or a ring of permutes.
+    exchange = [line for line in text.splitlines() if dtensor.core.attention.CONTEXT_SCOPE in line]
+    kinds = {"gather": "all-gather", "ring": "collective-permute"}
+    assert any(kinds[mode] in line for line in exchange)
+    assert not any(kinds[{"gather": "ring", "ring": "gather"}[mode]] in line for line in exchange)
+
+
+def test_load_balanced_ring_gives_every_device_half_a_block_each_step():
+    """Causal ring attention re-lays the sequence so device i holds chunks i and 2C-1-i: four
+    extra permutes (q, k, v there, the output back, two halves each) and a three-way switch
+    per step whose branches each compute half a block."""
+    q, k, v, _ = _qkv()
+    with dtensor.create_mesh([("data", 2), ("context", 4)]):
+        jaxpr = jax.make_jaxpr(
+            lambda q, k, v: dtensor.context_attention(q, k, v, causal=True, mode="ring")
+        )(q, k, v)
+    text = str(jaxpr)
+    # 3 ring steps x (k, v) + 2 halves x (q, k, v, out)
+    assert text.count("ppermute") == 3 * 2 + 2 * 4
+    # One rematerialised step a device of the ring, its body a three-way switch.
+    assert text.count("remat2[") == 4 and "cond[" in text and "branches=(" in text
+    # Without causal masking there is nothing to balance: the contiguous layout, whole blocks.
+    with dtensor.create_mesh([("data", 2), ("context", 4)]):
+        plain = str(
+            jax.make_jaxpr(lambda q, k, v: dtensor.context_attention(q, k, v, mode="ring"))(q, k, v)
+        )
+    assert plain.count("ppermute") == 3 * 2 and plain.count("remat2[") == 4
+    assert "cond[" not in plain
+
+
+def test_context_attention_errors_name_the_shapes_the_mesh_and_the_fix():
+    q, k, v, _ = _qkv()
+    with pytest.raises(ValueError, match=r"key/value heads \(3\) must divide the heads \(4\)"):
+        dtensor.context_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
+    with dtensor.create_mesh([("data", 2), ("context", 4)]):
+        with pytest.raises(ValueError, match=r"does not divide into 8 chunks.*context=4.*multiple"):
+            dtensor.context_attention(q[:, :12], k[:, :12], v[:, :12], causal=True, mode="ring")
+    with pytest.raises(ValueError, match="valid modes are"):
+        dtensor.context_attention(q, k, v, mode="ulysses")
+
+
+# --------------------------------------------------------------------- HybridStrategy(context=)
+def test_hybrid_context_lays_the_sequence_over_context_and_weights_over_fsdp_and_context():
+    s = strategies.HybridStrategy(2, 2, 1, context=2, min_shard_bytes=0)
+    assert s.mesh.dim_names == ("data", "fsdp", "context", "tensor")
+    assert s.batch_layout(2).sharding_specs == (("data", "fsdp"), "context")
+    assert s.batch_layout(1).sharding_specs == (("data", "fsdp"),)
+    assert s.variable_layout("mlp/up/kernel", jnp.zeros((64, 256))).sharding_specs == (
+        "unsharded",
+        ("fsdp", "context"),
+    )
+    assert not s.gather_at_read and s.num_replicas_in_sync == 4
+    with pytest.raises(ValueError, match="context_mode='ulysses'.*valid modes"):
+        strategies.HybridStrategy(context=2, context_mode="ulysses")
+    with pytest.raises(ValueError, match="gather_at_read=True.*context=1"):
+        strategies.HybridStrategy(context=2, gather_at_read=True)
+    with pytest.raises(ValueError, match="context=0.*positive integer"):
+        strategies.HybridStrategy(context=0)
+
+
+@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize(
+    ("kw", "scan"),
+    [
+        ({"data": 2, "context": 4}, False),
+        ({"data": 1, "fsdp": 2, "tensor": 2, "context": 2}, True),
+    ],
+    ids=["context4-data2", "fsdp2-tensor2-context2-scan-remat"],
+)
+def test_decoder_trains_under_hybrid_context_as_on_one_device(kw, scan, mode):
+    cfg = CONFIGS["tiny"].replace(scan=scan)
+    batches = _batches(cfg)
+    model, opt = _build(cfg, eps=1e-6)
+    step = nnx.jit(_step)
+    want = [float(step(model, opt, b)) for b in batches]
+    want_params = nnx.state(model, nnx.Param)
+    s = strategies.HybridStrategy(
+        **kw, context_mode=mode, min_shard_bytes=0, remat=(Block,) if scan else None
+    )
+    with s.scope():
+        model, opt = _build(cfg, eps=1e-6)
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5)
+    report = s.explain(_step, args=(model, opt, batches[0]))
+    assert report.context_bytes_per_device > 0
+    assert report.context_bytes_per_device < report.comm_bytes_per_device
+
+
+class _Attend(nnx.Module):
+    """A model written for one device: Flax's multi-head attention, or its function."""
+
+    def __init__(self, rngs, causal, direct):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+        self.qkv = nnx.Linear(32, 3 * 32, rngs=rngs)
+        self.head = nnx.Linear(32, 64, rngs=rngs)
+        self.causal, self.direct = causal, direct
+
+    def __call__(self, x):
+        h = self.embed(x)
+        if self.direct:  # nnx.dot_product_attention called by the model itself
+            q, k, v = jnp.split(self.qkv(h).reshape(*h.shape[:2], 4, 24), 3, axis=-1)
+            a = nnx.dot_product_attention(q, k, v, is_causal=self.causal)
+            h = h + a.reshape(*h.shape[:2], 4 * 8) @ jnp.ones((32, 32)) / 32
+        else:
+            mask = nnx.make_causal_mask(x) if self.causal else None
+            h = h + self.attn(h, mask=mask)
+        return self.head(h)
+
+
+def _attend_step(model, opt, batch):
+    def loss_fn(m, b):
+        return optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    opt.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize(
+    ("causal", "direct"),
+    [(True, False), (False, False), (True, True)],
+    ids=["mha-causal-mask", "mha-full", "dot_product_attention-is_causal"],
+)
+def test_flax_attention_trains_under_hybrid_context_unchanged(causal, direct, mode):
+    def build():
+        m = _Attend(nnx.Rngs(0), causal, direct)
+        return m, nnx.Optimizer(m, optax.adam(1e-2, eps=1e-6), wrt=nnx.Param)
+
+    x = np.random.default_rng(1).integers(0, 64, size=(3, 8, 16)).astype(np.int32)
+    batches = [{"x": x[i], "y": (x[i] * 7 + 1) % 64} for i in range(3)]
+    model, opt = build()
+    step = nnx.jit(_attend_step)
+    want = [float(step(model, opt, b)) for b in batches]
+    want_params = nnx.state(model, nnx.Param)
+    s = strategies.HybridStrategy(2, context=4, context_mode=mode, min_shard_bytes=0)
+    with s.scope():
+        model, opt = build()
+    got = [float(s.run(_attend_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # atol: the key bias's gradient is 0 in exact arithmetic (it adds the same score to every
+    # key of a query), so that parameter is float32 rounding (~1e-6) on both sides.
+    _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5, atol=1e-6)
+    # Flax's attention went through dtensor.context_attention (its exchange is in the program),
+    # and Flax's function is itself again outside the step.
+    assert s.explain(_attend_step, args=(model, opt, batches[0])).context_bytes_per_device > 0
+    assert nnx.dot_product_attention.__module__ == "flax.nnx.nn.attention"
+
+
+@pytest.mark.parametrize("mode", ["gather", "ring"])
+def test_decoder_under_context_compiles_for_tpu(mode):
+    devices = dtensor.tpu_topology("v5e:2x4")
+    cfg = CONFIGS["tiny"].replace(scan=True)
+    s = strategies.HybridStrategy(
+        2,
+        1,
+        1,
+        context=4,
+        context_mode=mode,
+        devices=devices,
+        min_shard_bytes=0,
+        remat=(Block,),
+        mixed_precision=strategies.MixedPrecision(),
+    )
+    model, opt = nnx.eval_shape(lambda: _build(cfg))
+    batch = {
+        "x": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+        "y": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+    }
+    report = s.explain(_step, args=(model, opt, batch))
+    per_layer = 8 // 2 * 256 * cfg.kv_heads * cfg.head_dim * 2  # one K (or V), bf16, a device
+    if mode == "gather":
+        # K and V all-gathered in each layer's forward (and again under remat), gradients
+        # reduce-scattered back: at least 2 x (C-1)/C of K and V a layer, per device.
+        assert report.context_bytes_per_device >= cfg.layers * 2 * 2 * per_layer * 3 / 4
+    else:
+        # The ring moves each device's K/V chunk C-1 times a layer (forward at least).
+        assert report.context_bytes_per_device >= cfg.layers * 2 * 3 * per_layer / 4
+    assert report.peak_bytes_per_device is not None
