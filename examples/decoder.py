@@ -86,8 +86,14 @@ class DecoderConfig:
     experts_per_token: int = 2
     aux_loss_weight: float = 0.01
     #: ``"xla"``: attention as einsums (float32 scores of ``[batch, heads, seq, seq]``);
-    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept).
+    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept);
+    #: ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs (``jax.nn.dot_product_attention(...,
+    #: implementation="cudnn")``; no scores kept). Under a ``context`` mesh axis attention is
+    #: :func:`dtensor.context_attention` (splash in its gather mode; else XLA per device).
     attention: str = "xla"
+    #: The loss over the vocabulary in this many slices (:func:`chunked_cross_entropy`): one
+    #: slice's float32 logits live at a time; 1 (the default): the whole logits at once.
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.block not in BLOCKS:
@@ -99,11 +105,11 @@ class DecoderConfig:
                 f"DecoderConfig(attention={self.attention!r}) is not an attention kind; valid: "
                 f"{ATTENTION}."
             )
-        if self.attention == "splash" and self.block == "gemma3":
+        if self.attention != "xla" and self.block == "gemma3":
             raise ValueError(
-                "DecoderConfig(attention='splash') with block='gemma3': its sliding-window "
-                "layers' windows are traced per layer, which splash's static masks cannot "
-                "take; use attention='xla' for Gemma 3."
+                f"DecoderConfig(attention={self.attention!r}) with block='gemma3': its "
+                "sliding-window layers' windows are traced per layer, which the kernels' "
+                "static masks cannot take; use attention='xla' for Gemma 3."
             )
         if self.experts and not 0 < self.experts_per_token <= self.experts:
             raise ValueError(
@@ -124,11 +130,11 @@ class DecoderConfig:
 #: The block kinds.
 BLOCKS = ("gemma", "gemma3", "llama")
 #: The attention implementations.
-ATTENTION = ("xla", "splash")
+ATTENTION = ("xla", "splash", "cudnn")
 
 
 #: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b``,
-#: ``llama3.1-405b`` are the public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of
+#: ``llama3.1-8b``, ``llama3.1-405b`` are the public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of
 #: those blocks, for tests.
 CONFIGS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(
@@ -173,6 +179,19 @@ CONFIGS: dict[str, DecoderConfig] = {
         kv_heads=8,
         head_dim=128,
         ffw=28672,
+        block="llama",
+    ),
+    # Llama 3.1 8B (MaxText's llama3.1-8b; rotary base 500,000, its long-context scaling left
+    # out: it changes no shape).
+    "llama3.1-8b": DecoderConfig(
+        vocab=128256,
+        d_model=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffw=14336,
+        rope_base=500_000.0,
         block="llama",
     ),
     # Llama 3.1 405B (MaxText's llama3.1-405b; its rotary base 500,000, the long-context
@@ -316,12 +335,29 @@ class Attention(nnx.Module):
         if _context_size() > 1:  # the sequence split over a ``context`` mesh axis
             import dtensor
 
+            splash = cfg.attention == "splash" and window is None
             ctx = dtensor.context_attention(
-                q.reshape(b, s, cfg.heads, hd), k, v, causal=True, window=window, scale=1.0
+                q.reshape(b, s, cfg.heads, hd),
+                k,
+                v,
+                causal=True,
+                window=window,
+                scale=1.0,
+                implementation="splash" if splash else "xla",
             )
             return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
         if cfg.attention == "splash" and window is None:
             ctx = splash_attention(q, k, v).reshape(b, s, cfg.heads, hd)
+            return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
+        if cfg.attention == "cudnn" and window is None:  # query head i reads KV head i // group
+            ctx = jax.nn.dot_product_attention(
+                q.reshape(b, s, cfg.heads, hd),
+                k,
+                v,
+                scale=1.0,
+                is_causal=True,
+                implementation="cudnn",
+            )
             return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         causal = positions[:, None] >= positions[None, :]
@@ -549,6 +585,14 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, *, with_aux: bool = False) -> Any:
         """Logits; with ``with_aux``, ``(logits, aux)``: the MoE load-balancing loss averaged
         over layers (0 without experts)."""
+        x, aux, head = self.features(tokens)
+        logits = jnp.einsum("bsd,dv->bsv", x, head).astype(jnp.float32)
+        return (logits, aux) if with_aux else logits
+
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The final normed hidden states ``(batch, seq, d_model)``, the MoE loss averaged
+        over layers, and the output head ``(d_model, vocab)`` as read (the embedding's
+        transpose when tied): the logits are ``features @ head``."""
         cfg = self.cfg
         embed = _read(self.embed, cfg.dtype)
         x = lookup(embed, tokens)
@@ -579,11 +623,8 @@ class Decoder(nnx.Module):
                 carry = _step_block(run, block, carry, positions, *extra)
         x, aux = carry if cfg.experts else (carry, jnp.zeros((), jnp.float32))
         x = self.final_norm(x)
-        if cfg.tied:
-            logits = jnp.einsum("bsd,vd->bsv", x, embed).astype(jnp.float32)
-        else:
-            logits = jnp.einsum("bsd,dv->bsv", x, _read(self.head, cfg.dtype)).astype(jnp.float32)
-        return (logits, aux / cfg.layers) if with_aux else logits
+        head = embed.T if cfg.tied else _read(self.head, cfg.dtype)
+        return x, aux / cfg.layers, head
 
 
 def model_flops(cfg: DecoderConfig, batch: int, seq: int) -> float:
@@ -633,9 +674,49 @@ def loss_fn(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch["x"]`` against ``batch["y"]``."""
     import optax
 
-    if not model.cfg.experts:
+    cfg = model.cfg
+    if cfg.loss_chunks > 1:
+        x, aux, head = model.features(batch["x"])
+        loss = chunked_cross_entropy(x, head, batch["y"], cfg.loss_chunks)
+    elif not cfg.experts:
         logits = model(batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    logits, aux = model(batch["x"], with_aux=True)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    return loss + model.cfg.aux_loss_weight * aux
+    else:
+        logits, aux = model(batch["x"], with_aux=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss + cfg.aux_loss_weight * aux if cfg.experts else loss
+
+
+def chunked_cross_entropy(
+    x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int
+) -> jax.Array:
+    """Mean cross-entropy of the logits ``x @ head`` against ``targets``, the vocabulary in
+    ``chunks`` slices of the head: a scan keeps one slice's float32 logits at a time (a
+    running log-sum-exp and the targets' logits), each recomputed in the backward pass
+    (MaxText's vocabulary tiling). ``x`` ``(..., d)``, ``head`` ``(d, vocab)``."""
+    vocab = head.shape[-1]
+    if vocab % chunks:
+        raise ValueError(
+            f"chunked_cross_entropy: the vocabulary ({vocab}) does not divide into {chunks} "
+            "chunks; choose loss_chunks dividing it."
+        )
+    n = vocab // chunks
+    slices = head.reshape(head.shape[0], chunks, n).transpose(1, 0, 2)
+    lead = targets.shape
+    neg = jnp.full(lead, -jnp.inf, jnp.float32)
+
+    @jax.checkpoint
+    def body(carry: Any, piece: Any) -> Any:
+        top, total, picked = carry
+        w, j = piece
+        logits = jnp.einsum("...d,dv->...v", x, w).astype(jnp.float32)
+        new_top = jnp.maximum(top, logits.max(-1))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
+        local = targets - j * n
+        inside = (local >= 0) & (local < n)
+        mine = jnp.take_along_axis(logits, jnp.clip(local, 0, n - 1)[..., None], -1)[..., 0]
+        return (new_top, total, picked + jnp.where(inside, mine, 0.0)), None
+
+    init = (neg, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32))
+    (top, total, picked), _ = jax.lax.scan(body, init, (slices, jnp.arange(chunks)))
+    return (top + jnp.log(total) - picked).mean()

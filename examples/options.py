@@ -23,6 +23,7 @@ DECODER_SIZES = (
     "gemma3-12b",
     "llama2-7b",
     "llama2-70b",
+    "llama3.1-8b",
     "llama3.1-405b",
     "tiny-moe",
     "mixtral-8x7b",
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         choices=[*SIZES, *DECODER_SIZES],
         default="demo",
         help="demo/small/medium: the character-level model; tiny, 2b, 7b (Gemma), gemma3-12b, "
-        "llama2-7b, llama2-70b, llama3.1-405b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
+        "llama2-7b, llama2-70b, llama3.1-8b, llama3.1-405b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
         "for python -m dtensor.aot (its aot_step; the large ones are only ever built abstractly)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
@@ -92,9 +93,10 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument(
         "--attention",
-        choices=["xla", "splash"],
+        choices=["xla", "splash", "cudnn"],
         default=None,
-        help="decoder: attention as XLA einsums (the default) or the Pallas splash kernel (TPU)",
+        help="decoder: attention as XLA einsums (the default), the Pallas splash kernel (TPU; "
+        "under --context in gather mode too) or cuDNN's fused attention (NVIDIA GPUs)",
     )
     p.add_argument(
         "--remat-policy",
@@ -114,6 +116,27 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         default=None,
         help="hybrid: the expert-parallel size (stacked expert weights split over it, tokens "
         "dispatched by all-to-all; the rest of the devices go to fsdp); default 1",
+    )
+    p.add_argument(
+        "--loss-chunks",
+        type=int,
+        default=None,
+        help="decoder: the loss over the vocabulary in this many slices, one slice's float32 "
+        "logits live at a time (MaxText's vocabulary tiling); default 1",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="hybrid: the context-parallel size (the sequence split over it; attention by "
+        "dtensor.context_attention; the rest of the devices go to fsdp); default 1",
+    )
+    p.add_argument(
+        "--context-mode",
+        choices=["gather", "ring"],
+        default=None,
+        help="hybrid with --context: keys and values all-gathered (the default) or passed "
+        "round a ring",
     )
     p.add_argument(
         "--across-slices",
@@ -181,6 +204,8 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     decoder = block_cls is not None
     if getattr(args, "attention", None) and decoder:
         model_changes["attention"] = args.attention
+    if getattr(args, "loss_chunks", None) and decoder:
+        model_changes["loss_chunks"] = args.loss_chunks
     if args.mixed_precision in ("bf16", "bf16-compute"):
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
             extra = {"module_dtype": True} if args.mixed_precision == "bf16-compute" else {}
@@ -228,6 +253,10 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     expert = getattr(args, "expert", None) or 1
     if expert > 1 and not hybrid:
         applied["expert"] = "not available"
+    context = getattr(args, "context", None) or 1
+    if context > 1 and not hybrid:
+        applied["context"] = "not available"
+    expert *= context  # fsdp gets what tensor, expert and context leave
     if hybrid and (args.tensor or decoder or across or expert > 1):
         from strategies.placement.slices import slice_count
 
@@ -249,14 +278,18 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
             slices = 1
         if (len(devices) // slices // tensor) % expert:
             raise ValueError(
-                f"--expert {expert} does not divide the {len(devices) // slices // tensor} "
-                f"devices left for fsdp x expert (of {len(devices)}, {slices} slice(s), --tensor "
-                f"{tensor}); pass a divisor of it."
+                f"--expert x --context {expert} does not divide the "
+                f"{len(devices) // slices // tensor} devices left for fsdp x expert x context (of "
+                f"{len(devices)}, {slices} slice(s), --tensor {tensor}); pass a divisor of it."
             )
         extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
-        if expert > 1:
-            extra["expert"] = expert
+        if expert // context > 1:
+            extra["expert"] = expert // context
             applied["expert"] = "strategy"
+        if context > 1:
+            extra["context"] = context
+            extra["context_mode"] = getattr(args, "context_mode", None) or "gather"
+            applied["context"] = "strategy"
         if across is not None:
             extra["across_slices"] = across
             applied["across_slices"] = "strategy"

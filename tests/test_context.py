@@ -270,3 +270,49 @@ def test_decoder_under_context_compiles_for_tpu(mode):
         # The ring moves each device's K/V chunk C-1 times a layer (forward at least).
         assert report.context_bytes_per_device >= cfg.layers * 2 * 3 * per_layer / 4
     assert report.peak_bytes_per_device is not None
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+def test_decoder_s_attention_kernels_compile_for_their_platform(kernel):
+    """attention='splash' (Pallas, TPU) and 'cudnn' (cuDNN's fused attention, NVIDIA GPUs):
+    the compiled program calls the kernel (and XLA's does not). On GPU the kernel keeps no
+    [seq, seq] scores where XLA:GPU keeps a layer's float32 scores; libtpu's XLA fuses the
+    einsums' softmax at this size (10 MB of temporaries against splash's 13 MB)."""
+    devices = (
+        dtensor.tpu_topology("v5e:2x4") if kernel == "splash" else dtensor.gpu_topology("h100:1x8")
+    )
+    batch = {
+        "x": jax.ShapeDtypeStruct((8, 1024), jnp.int32),
+        "y": jax.ShapeDtypeStruct((8, 1024), jnp.int32),
+    }
+    temps = {}
+    for attention in (kernel, "xla"):
+        cfg = CONFIGS["tiny"].replace(scan=True, attention=attention, head_dim=128)
+        s = strategies.FullyShardedStrategy(
+            devices, min_shard_bytes=0, remat=(Block,), mixed_precision=strategies.MixedPrecision()
+        )
+        model, opt = nnx.eval_shape(lambda cfg=cfg: _build(cfg))
+        report = s.explain(_step, args=(model, opt, batch))
+        temps[attention] = report.temp_bytes_per_device
+        text = report.compiled.as_text()
+        marker = "tpu_custom_call" if kernel == "splash" else "__cudnn$fmha"
+        assert (marker in text) == (attention == kernel)
+    if kernel == "cudnn":  # a layer's float32 scores (a sequence, 4 heads, 1024 x 1024): 16 MiB
+        assert temps["xla"] - temps[kernel] > 8 << 20
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_chunked_cross_entropy_is_the_loss_and_gradients_of_whole_logits(size):
+    """DecoderConfig(loss_chunks=4): the loss over four vocabulary slices, the float32 logits
+    of one at a time, equals the whole logits' loss and gradients (float32)."""
+    from examples.decoder import Decoder, loss_fn
+
+    cfg = CONFIGS[size]
+    batch = _batches(cfg)[0]
+    want, want_grads = nnx.value_and_grad(loss_fn)(Decoder(cfg, rngs=nnx.Rngs(0)), batch)
+    chunked = Decoder(cfg.replace(loss_chunks=4), rngs=nnx.Rngs(0))
+    got, grads = nnx.value_and_grad(loss_fn)(chunked, batch)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    _close(grads, want_grads, 1e-5)
+    with pytest.raises(ValueError, match=r"vocabulary \(128\) does not divide into 3"):
+        loss_fn(Decoder(cfg.replace(loss_chunks=3), rngs=nnx.Rngs(0)), batch)

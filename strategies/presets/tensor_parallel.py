@@ -123,8 +123,9 @@ def megatron_specs(path: str, shape: Sequence[int]) -> tuple[list[Any], str] | N
 class HybridStrategy(Strategy):
     """A ``("data", "fsdp", "tensor")`` mesh: Megatron rules on ``tensor``, then
     FSDP on the largest remaining dimension over ``fsdp``; the batch split over
-    ``data`` and ``fsdp``. With ``expert=E``, a ``("data", "fsdp", "expert",
-    "tensor")`` mesh for mixtures of experts.
+    ``data`` and ``fsdp``. With ``context=C`` and ``expert=E``, a ``("data",
+    "fsdp", "context", "expert", "tensor")`` mesh for long sequences and
+    mixtures of experts.
 
     Args:
         data: data-parallel size (``-1``: whatever the devices leave).
@@ -140,6 +141,21 @@ class HybridStrategy(Strategy):
             its tokens by calling :func:`dtensor.expert_mlp` (all-to-alls over
             ``expert``); the rest of the model is data parallel over it. It
             needs ``gather_at_read`` off (``None`` then means ``False``).
+        context: context-parallel size (long sequences). A ``context`` mesh
+            axis (between ``fsdp`` and ``expert``): every batch array of rank 2
+            or more has its dimension 1 (the sequence) split over it, and the
+            layers' inputs and outputs stay so split through the step; variables
+            are FSDP-split over ``fsdp`` and ``context`` together (MaxText's
+            plan). Attention runs per device by :func:`dtensor.context_attention`
+            (a hand-written attention calls it; Flax's
+            ``nnx.dot_product_attention`` and ``nnx.MultiHeadAttention``'s
+            default are routed to it inside the step, the model unchanged); the
+            rest of the model is data parallel over ``context``. It needs
+            ``gather_at_read`` off (``None`` then means ``False``).
+        context_mode: ``"gather"`` (keys and values all-gathered over
+            ``context``, MaxText's default) or ``"ring"`` (passed round a ring of
+            collective permutes, causal attention load-balanced); see
+            :mod:`dtensor.core.attention`.
         rules: a :class:`dtensor.LayoutMap` (on this strategy's mesh, or
             given as ``(regex, specs)`` pairs) tried before the Megatron rules.
         min_shard_bytes: variables smaller than this are not FSDP-sharded.
