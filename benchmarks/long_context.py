@@ -141,6 +141,15 @@ def measure(row: tuple[str, str, str, int, int, tuple[str, ...]]) -> dict[str, A
     return result
 
 
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["size"], row["topology"], row["global_batch"], row["seq_len"], row["options"]
+
+
+def _key_of_spec(spec: tuple[str, str, str, int, int, tuple[str, ...]]) -> tuple[Any, ...]:
+    size, topology, _, batch, seq, extra = spec
+    return size, topology, batch, seq, " ".join(extra)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The guide's table of ``rows``."""
     lines = [
@@ -171,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(path.read_text())["rows"]))
         return 0
     picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
-    rows = []
+    # --rows re-measures those rows and keeps the others of the results file, in ROWS' order.
+    kept = json.loads(path.read_text())["rows"] if args.rows and path.exists() else []
+    order = [_key_of_spec(spec) for spec in ROWS]
+    rows = [r for r in kept if _key(r) in order]
     for spec in picked:
-        rows.append(measure(spec))
+        rows = [r for r in rows if _key(r) != _key_of_spec(spec)] + [measure(spec)]
+        rows.sort(key=lambda r: order.index(_key(r)))
         common.write_json(
             "long_context",
             {"benchmark": "long_context", "rows": rows, "environment": common.environment()},

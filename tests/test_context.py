@@ -316,3 +316,62 @@ def test_chunked_cross_entropy_is_the_loss_and_gradients_of_whole_logits(size):
     _close(grads, want_grads, 1e-5)
     with pytest.raises(ValueError, match=r"vocabulary \(128\) does not divide into 3"):
         loss_fn(Decoder(cfg.replace(loss_chunks=3), rngs=nnx.Rngs(0)), batch)
+
+
+def test_floor_counts_cudnn_attention_flops_causal_halved():
+    """cuDNN's fused attention (jax.nn.dot_product_attention(implementation='cudnn')) in the
+    floor: two matmuls forward, five backward (p recomputed), halved for a causal mask."""
+    from dtensor.analysis.floor import matmul_flops
+
+    q = jnp.zeros((2, 256, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+    one = 2 * 2 * 256 * 256 * 8 * 128  # one [q, k] matmul over every head
+    for causal, share in ((True, 0.5), (False, 1.0)):
+
+        def loss(q, k, v, causal=causal):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+            return out.astype(jnp.float32).sum()
+
+        assert matmul_flops(jax.make_jaxpr(loss)(q, k, k)) == 2 * one * share
+        assert matmul_flops(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k)) == 7 * one * share
+
+
+def test_long_context_benchmark_table_is_the_guide_s():
+    """The large-models guide's long-context table is ``benchmarks.long_context --markdown`` of
+    the results file, and the results hold what the guide says of them."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import long_context
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "results" / "long_context.json").read_text())["rows"]
+    guide = " ".join((root / "docs" / "guides" / "large_models.md").read_text().split())
+    assert " ".join(long_context.markdown(rows).split()) in guide
+    whole, tiled, longest, a100, h100 = rows
+    assert whole["maxtext_peak_gib"] == tiled["maxtext_peak_gib"] == 37.97
+    assert tiled["peak_gib"] < tiled["maxtext_peak_gib"] < whole["peak_gib"]
+    assert f"needs {tiled['peak_gib']:.2f} GiB per chip with the vocabulary in 8 slices" in guide
+    assert f"it is {whole['peak_gib']:.2f} GiB, {whole['ratio_to_maxtext']:.2f}x" in guide
+    assert f"{tiled['ratio_to_maxtext']:.2f}x" in guide
+    assert longest["seq_len"] == 131072 and f"the same {longest['peak_gib']:.2f} GiB" in guide
+    assert a100["fits"] and h100["fits"]
+    assert f"needs {a100['peak_gib']:.2f} GiB per A100 80GB and {h100['peak_gib']:.2f} GiB" in guide
+
+
+def test_train_py_context_flags_build_the_preset_and_the_model_options():
+    from examples import options
+
+    args = options.parse_args(
+        ["--strategy", "hybrid", "--model-size", "tiny", "--context", "4", "--context-mode", "ring"]
+        + ["--attention", "splash", "--loss-chunks", "4"]
+    )
+    strategy, changes, applied = options.build_strategy(args, jax.devices(), block_cls=Block)
+    assert strategy.mesh.shape == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert strategy.context_mode == "ring" and applied["context"] == "strategy"
+    assert changes["attention"] == "splash" and changes["loss_chunks"] == 4
+    args = options.parse_args(["--strategy", "fully_sharded", "--context", "4"])
+    assert options.build_strategy(args, jax.devices())[2]["context"] == "not available"
+    with pytest.raises(ValueError, match="--expert x --context 16 does not divide the 8"):
+        args = options.parse_args(["--strategy", "hybrid", "--context", "8", "--expert", "2"])
+        options.build_strategy(args, jax.devices())

@@ -120,6 +120,9 @@ def _flops(jaxpr: Any) -> float:
         if eqn.primitive.name == "ragged_dot_general":  # a grouped matmul (MoE experts)
             total += _ragged_flops(eqn)
             continue
+        if eqn.primitive.name in _FUSED_ATTENTION:  # cuDNN's (jax.nn.dot_product_attention)
+            total += _fused_attention_flops(eqn)
+            continue
         times = _repeats(eqn)
         subs = []
         for value in eqn.params.values():
@@ -146,6 +149,20 @@ def _ragged_flops(eqn: Any) -> float:
     # scope) only the rows routed are computed: k of every ``held`` rows.
     routed = re.search(r"grouped_k(\d+)_of(\d+)", str(eqn.source_info.name_stack))
     return flops * int(routed.group(1)) / int(routed.group(2)) if routed else flops
+
+
+#: jax.nn.dot_product_attention(implementation="cudnn")'s primitives: their matmuls per
+#: forward's two (``q k^T`` and ``p v``): the backward recomputes ``p`` and forms dv, dp, dq, dk.
+_FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": 2, "dot_product_attention_bwd_wrapper": 5}
+
+
+def _fused_attention_flops(eqn: Any) -> float:
+    """A fused attention's FLOPs: ``2 x batch x q_len x kv_len x heads x head_dim`` a matmul,
+    halved for a causal mask (the kernel skips the blocks above the diagonal)."""
+    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    b, t, n, h = q  # BTNH, the layout jax.nn.dot_product_attention passes
+    flops = 2.0 * b * t * k[1] * n * h * _FUSED_ATTENTION[eqn.primitive.name]
+    return flops / 2 if "CAUSAL" in str(eqn.params.get("mask_type", "")).upper() else flops
 
 
 def _repeats(eqn: Any) -> int:

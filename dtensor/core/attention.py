@@ -33,6 +33,7 @@ heads, q, k]``) works in both modes; with it the ring runs whole blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -188,9 +189,7 @@ def context_attention(
         w = next(it) if window is not None else None
         me = jax.lax.axis_index(axis)
         if mode == "gather":
-            with jax.named_scope(CONTEXT_SCOPE):
-                k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-                v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+            k_all, v_all = _gather_sequence(k, axis), _gather_sequence(v, axis)
             qpos = me * q.shape[1] + jnp.arange(q.shape[1])
             kpos = jnp.arange(k_all.shape[1])
             return _attend(q, k_all, v_all, qpos, kpos, causal, w, m, scale)
@@ -203,6 +202,27 @@ def context_attention(
         out_specs=spec,
         check_vma=False,
     )(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_sequence(x: jax.Array, axis: str) -> jax.Array:
+    """``x``'s sequence (dimension 1) all-gathered over ``axis``; its gradient reduce-scattered
+    back (one reduce-scatter, where the transpose XLA gets otherwise is an all-reduce of the
+    whole gathered gradient and a slice: twice the bytes)."""
+    with jax.named_scope(CONTEXT_SCOPE):
+        return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_sequence_fwd(x: jax.Array, axis: str) -> tuple[jax.Array, None]:
+    return _gather_sequence(x, axis), None
+
+
+def _gather_sequence_bwd(axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
+    with jax.named_scope(CONTEXT_SCOPE):
+        return (jax.lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True),)
+
+
+_gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
 def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec):
@@ -241,9 +261,7 @@ def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec)
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, axis)))
 
     def per_device(kernel, q, k, v):
-        with jax.named_scope(CONTEXT_SCOPE):
-            k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-            v = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+        k, v = _gather_sequence(k, axis), _gather_sequence(v, axis)
         bl, n = q.shape[:2]
         hl = q.shape[2] // (h // kvh)
         qh = (q * jnp.asarray(scale, q.dtype)).reshape(bl, n, hl, h // kvh, d)
