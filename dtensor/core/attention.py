@@ -36,7 +36,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -204,11 +204,14 @@ def context_attention(
     )(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_sequence(x: jax.Array, axis: str) -> jax.Array:
     """``x``'s sequence (dimension 1) all-gathered over ``axis``; its gradient reduce-scattered
-    back (one reduce-scatter, where the transpose XLA gets otherwise is an all-reduce of the
-    whole gathered gradient and a slice: twice the bytes)."""
+    back (a ``psum_scatter``, under the name scope too)."""
+    return cast(jax.Array, _gather_sequence_vjp(x, axis))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_sequence_vjp(x: jax.Array, axis: str) -> jax.Array:
     with jax.named_scope(CONTEXT_SCOPE):
         return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
@@ -222,7 +225,7 @@ def _gather_sequence_bwd(axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
         return (jax.lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True),)
 
 
-_gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
+_gather_sequence_vjp.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
 def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec):
