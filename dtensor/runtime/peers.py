@@ -434,8 +434,14 @@ def _on_abort(signum: int) -> None:
         return
     try:
         down = None
-        if monitor.me != 0 and not coordinator_reachable(monitor.address):
-            down = "the connection was refused or timed out"
+        if monitor.me != 0:
+            # JAX aborts as the coordinator goes: its port may still accept for a moment
+            # while it shuts down (seen under load), so look again for up to 2 s.
+            for _ in range(10):
+                if not coordinator_reachable(monitor.address, timeout=0.2):
+                    down = "the connection was refused or timed out"
+                    break
+                time.sleep(0.2)
         loss = monitor.diagnose(store_down=down)
         if loss is None:
             return
