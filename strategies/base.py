@@ -113,11 +113,14 @@ class Strategy(PresetHooks, DistributeMethods):
             >>> dtensor.fetch_layout(params["w"]).is_fully_replicated()
             True
         """
+        if is_node(tree):
+            self.observe(tree)
         return dtensor.distribute(tree, self.storage_layout_fn, mesh=self.mesh)
 
     def variable_layouts(self, tree: Any) -> tuple[Any, Any]:
         """The compute layouts and rule names this strategy gives every leaf of ``tree``."""
         if is_node(tree):
+            self.observe(tree)
             tree = nnx.state(tree)
 
         def resolved(path: str, leaf: Any) -> ResolvedLayout:

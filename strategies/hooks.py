@@ -56,6 +56,12 @@ class PresetHooks:
         """Where a variable is kept between steps (the compute layout, unless a preset says otherwise)."""
         return self.variable_layout(path, leaf)
 
+    def observe(self, node: Any) -> None:
+        """Called with each NNX module (or optimizer) whose variables this strategy lays out,
+        before their layouts are chosen (a hook for presets whose rules depend on module
+        classes, as HybridStrategy's ``pipeline=``); paths in ``storage_layout`` are
+        relative to ``node``."""
+
     def memory_kind(self, path: str, leaf: Any) -> str | None:
         """The memory a variable is kept in between steps (``None``: device memory)."""
         return None

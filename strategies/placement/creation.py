@@ -146,6 +146,8 @@ def build_in_layouts(strategy: Strategy, factory: Any) -> Any:
     with strategy.mesh, nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(factory)
         is_nnx = is_node(abstract)
+        if is_nnx:
+            strategy.observe(abstract)
         graphdef, abstract_state = nnx.split(abstract) if is_nnx else (None, abstract)
         layouts, _ = resolve_layouts(abstract_state, strategy.storage_layout_fn, mesh=strategy.mesh)
         shardings = jax.tree.map(

@@ -27,8 +27,7 @@ from dtensor.core.mesh import resolve_sizes
 
 __all__ = ["ACROSS_SLICES", "slice_count", "slice_mesh"]
 
-ACROSS_SLICES = ("data", "fsdp")
-_PIPELINE_ISSUE = "#31"
+ACROSS_SLICES = ("data", "fsdp", "stage")
 
 
 def slice_count(devices: Sequence[Any]) -> int:
@@ -45,26 +44,19 @@ def slice_count(devices: Sequence[Any]) -> int:
 
 
 def check_across_slices(across_slices: Any, *, preset: str = "HybridStrategy") -> str | None:
-    """``across_slices`` checked: ``None``, ``"data"`` or ``"fsdp"`` (``"stage"``: not yet)."""
+    """``across_slices`` checked: ``None``, ``"data"``, ``"fsdp"`` or ``"stage"``."""
     if across_slices is None or across_slices in ACROSS_SLICES:
         return across_slices
-    if across_slices == "stage":
-        raise ValueError(
-            f"{preset}(across_slices='stage') puts pipeline stages on different slices, but "
-            f"the stage axis comes with pipeline parallelism (issue {_PIPELINE_ISSUE}), which "
-            "is not built yet. Use across_slices='data' (slices as data-parallel replicas) or "
-            "'fsdp' (one fully-sharded group over every slice)."
-        )
     raise ValueError(
         f"{preset}(across_slices={across_slices!r}) names no axis that can span slices; "
-        "valid values are None (choose by the sizes), 'data' and 'fsdp' ('stage' comes with "
-        f"issue {_PIPELINE_ISSUE}). Pass one of those."
+        "valid values are None (choose by the sizes), 'data', 'fsdp' and 'stage' "
+        "(HybridStrategy(stage=S): pipeline stages on different slices). Pass one of those."
     )
 
 
 def _default(sizes: dict[str, int], n: int) -> str | None:
     """``"data"`` when each replica (its fsdp x tensor devices) fits in one slice, else ``"fsdp"``."""
-    for axis in ACROSS_SLICES:
+    for axis in ("data", "fsdp"):
         if sizes[axis] % n == 0:
             return axis
     return None
@@ -122,6 +114,12 @@ def slice_mesh(
                 f"data a multiple of {n} (each fsdp x tensor replica within a slice of {per}) "
                 f"or fsdp a multiple of {n}."
             )
+    if across not in sizes:
+        raise ValueError(
+            f"{preset}({asked}, across_slices={across!r}) over {where}: this mesh has no "
+            f"{across!r} axis; across_slices='stage' needs HybridStrategy(stage=S) with S a "
+            f"multiple of the {n} slices."
+        )
     if sizes[across] % n:
         other = per // sizes["tensor"] if per % sizes["tensor"] == 0 else None
         fix = {
@@ -131,6 +129,7 @@ def slice_mesh(
             else f"a tensor size that divides {per} and data a multiple of {n}",
             "fsdp": f"fsdp a multiple of {n}, e.g. data=1, fsdp={len(used) // sizes['tensor']}, "
             f"tensor={sizes['tensor']}",
+            "stage": f"stage a multiple of {n}",
         }[across]
         swap = "fsdp" if across == "data" else "data"
         raise ValueError(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import flax.nnx as nnx
 import jax
 import numpy as np
 
@@ -23,6 +26,13 @@ from strategies.placement.slices import slice_mesh
 from strategies.reads.attention import route_attention_fns, routed_flax_attention
 from strategies.reads.mixed_precision import MixedPrecision
 from strategies.reads.param_reads import ReadOptions
+from strategies.reads.pipeline import (
+    PipelineError,
+    PipelinePlan,
+    find_stacks,
+    pipelined,
+    prepare_lists,
+)
 from strategies.reads.swaps import check_remat
 from strategies.reads.swaps import remat_policy as remat_policy_fn
 
@@ -41,6 +51,8 @@ _ATTN_OUT = re.compile(r"^(out|o_proj|o)$")
 _EMBED = re.compile(r"^(embedding|embed|wte|tok_embeddings|token_embedding)$")
 _E = "expert"
 _C = "context"
+_S = "stage"
+SCHEDULES = ("gpipe", "circular")
 
 
 def expert_dim(path: str, shape: Sequence[int]) -> int | None:
@@ -156,6 +168,30 @@ class HybridStrategy(Strategy):
             ``context``, MaxText's default) or ``"ring"`` (passed round a ring of
             collective permutes, causal attention load-balanced); see
             :mod:`dtensor.core.attention`.
+        stage: pipeline-parallel size. A ``stage`` mesh axis (after ``data``):
+            the blocks of the classes named in ``pipeline=`` — a scanned stack
+            (one module of stacked layers run by ``nnx.scan``) or a list of
+            identical blocks — run in stages (:mod:`strategies.reads.pipeline`,
+            :func:`dtensor.core.pipeline.pipeline`): each stage's devices hold
+            its layers, the batch goes through in ``microbatches``, the
+            activations passed on by collective permutes over ``stage``. A
+            stack's variables are split along their layer dimension over
+            ``stage`` (FSDP and Megatron rules on the other dimensions); a
+            list's blocks are FSDP-split over ``stage`` and ``fsdp`` together
+            and re-stacked by stage in each step (an all-to-all over
+            ``stage``). Everything else (embeddings, final norm, head) is
+            replicated over ``stage`` and computed on every stage. It needs
+            ``gather_at_read`` off (``None`` then means ``False``).
+        microbatches: how many microbatches a step's batch is cut into (default:
+            ``stage``); each must still split over the batch axes.
+        schedule: ``"gpipe"`` (each stage ``L / S`` consecutive layers, every
+            microbatch's forward then every backward) or ``"circular"`` (each
+            stage ``repeats`` groups of layers ``S`` groups apart, the ring
+            gone round ``repeats`` times: the bubble ``(S - 1) / (R M + S - 1)``
+            instead of ``(S - 1) / (M + S - 1)``; needs ``microbatches >= stage``).
+        repeats: the circular schedule's rounds (default: one layer per stage
+            per round, ``L / S``, MaxText's default).
+        pipeline: the block classes to pipeline (as for ``remat=``).
         rules: a :class:`dtensor.LayoutMap` (on this strategy's mesh, or
             given as ``(regex, specs)`` pairs) tried before the Megatron rules.
         min_shard_bytes: variables smaller than this are not FSDP-sharded.
@@ -236,9 +272,14 @@ class HybridStrategy(Strategy):
         expert: int = 1,
         context: int = 1,
         context_mode: str = "gather",
+        stage: int = 1,
+        microbatches: int | None = None,
+        schedule: str = "gpipe",
+        repeats: int | None = None,
+        pipeline: Sequence[type] | None = None,
     ) -> None:
         devices = list(devices) if devices is not None else jax.devices()
-        for name, size in (("expert", expert), ("context", context)):
+        for name, size in (("expert", expert), ("context", context), ("stage", stage)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(
                     f"HybridStrategy({name}={size!r}): the {name}-parallel size must be a "
@@ -250,7 +291,10 @@ class HybridStrategy(Strategy):
                 f"{CONTEXT_MODES} ('gather': keys and values all-gathered over 'context'; "
                 "'ring': passed round a ring of collective permutes)."
             )
+        self._check_pipeline(stage, microbatches, schedule, repeats, pipeline)
         dims = [("data", data), ("fsdp", fsdp), ("tensor", tensor)]
+        if stage > 1:
+            dims.insert(1, (_S, stage))
         if context > 1:  # an axis of size 1 is left out of the mesh
             dims.insert(2, (_C, context))
         if expert > 1:
@@ -266,6 +310,13 @@ class HybridStrategy(Strategy):
                 "sequence split over 'context' has no defined layout through the model's "
                 "reshapes. Pass gather_at_read=False (or None) to leave the fsdp gathers to XLA."
             )
+        if gather_at_read and stage > 1:
+            raise ValueError(
+                f"HybridStrategy(gather_at_read=True) needs stage=1 (got stage={stage}): "
+                "gathering at reads traces the step with every mesh axis Explicit, where the "
+                "stages' vmapped loop has no defined layout. Pass gather_at_read=False (or "
+                "None) to leave the fsdp gathers to XLA."
+            )
         if gather_at_read and expert > 1:
             raise ValueError(
                 f"HybridStrategy(gather_at_read=True) needs expert=1 (got expert={expert}): "
@@ -279,6 +330,7 @@ class HybridStrategy(Strategy):
                 and mesh.shape["tensor"] == 1
                 and expert == 1
                 and context == 1
+                and stage == 1
             )
         elif gather_at_read and mesh.shape["tensor"] > 1:
             raise ValueError(
@@ -305,6 +357,121 @@ class HybridStrategy(Strategy):
             )
         self.rules = rules
         self.min_shard_bytes = min_shard_bytes
+
+    def _check_pipeline(
+        self,
+        stage: int,
+        microbatches: int | None,
+        schedule: str,
+        repeats: int | None,
+        pipeline: Sequence[type] | None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(
+                f"HybridStrategy(schedule={schedule!r}): valid schedules are {SCHEDULES} "
+                "('gpipe': each stage its consecutive layers; 'circular': each stage several "
+                "layer groups, the ring gone round several times)."
+            )
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(
+                f"HybridStrategy(microbatches={microbatches!r}): the microbatch count must be "
+                "a positive integer (default: the stage count)."
+            )
+        if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+            raise ValueError(
+                f"HybridStrategy(repeats={repeats!r}): the circular schedule's rounds must be "
+                "a positive integer (default: one layer per stage per round)."
+            )
+        if repeats is not None and repeats > 1 and schedule != "circular":
+            raise ValueError(
+                f"HybridStrategy(repeats={repeats}) goes with schedule='circular' (GPipe goes "
+                "round once); pass schedule='circular' or drop repeats."
+            )
+        classes = check_remat(pipeline)
+        if stage > 1 and not classes:
+            raise ValueError(
+                f"HybridStrategy(stage={stage}) needs pipeline=(Block,): the module class of "
+                "the blocks the model repeats (a scanned stack or a list of identical blocks), "
+                "which the stages split between them."
+            )
+        if stage == 1 and (classes or microbatches not in (None, 1)):
+            raise ValueError(
+                "HybridStrategy(pipeline=..., microbatches=...) pipelines over a stage axis: "
+                f"pass stage=S > 1 with them (got stage={stage})."
+            )
+        m = stage if microbatches is None else microbatches
+        if schedule == "circular" and stage > 1 and m < stage:
+            raise ValueError(
+                f"HybridStrategy(schedule='circular', stage={stage}, microbatches={m}): the "
+                "circular schedule needs at least as many microbatches as stages (a "
+                "microbatch comes back to stage 0 for its next round only after stage 0 has "
+                f"started every one of this round). Pass microbatches >= {stage}, or "
+                "schedule='gpipe'."
+            )
+        self.stage = stage
+        self.microbatches = m if stage > 1 else 1
+        self.schedule = schedule
+        self.repeats = repeats
+        self.pipeline = classes
+        self._stacks: dict[tuple[str, ...], str] = {}
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle fraction of a step by the schedule (0 without ``stage``); for the
+        circular schedule with ``repeats=None`` the rounds are known once a model is seen."""
+        from dtensor.core.pipeline import bubble_fraction
+
+        return bubble_fraction(self.stage, self.microbatches, self._rounds() or 1)
+
+    def _rounds(self, layers: int | None = None) -> int | None:
+        if self.schedule == "gpipe":
+            return 1
+        if self.repeats is not None:
+            return self.repeats
+        layers = layers or getattr(self, "_layers", None)
+        return None if not layers else max(1, layers // self.stage)
+
+    def observe(self, node: Any) -> None:
+        """With ``stage``: learn where ``node`` holds the ``pipeline=`` blocks (their paths),
+        which the layout rules split over ``stage`` (once per object)."""
+        if self.stage == 1:
+            return
+        seen = self.__dict__.setdefault("_seen", weakref.WeakSet())
+        try:
+            if node in seen:
+                return
+            seen.add(node)
+        except TypeError:  # not weakly referenceable: look every time
+            pass
+        found = find_stacks(node, self.pipeline)
+        for path, kind in found.items():
+            key = tuple(str(p) for p in path)
+            self._stacks[key[:-1] + ("*",) if kind == "list" else key] = kind
+            if kind == "list":
+                self._layers = sum(1 for p in found if p[:-1] == path[:-1])
+        for path, kind in found.items():
+            if kind == "stack":
+                stack = _node_at(node, path)
+                leads = [
+                    np.shape(v.get_raw_value())[0]
+                    for _, v in nnx.iter_graph(stack)
+                    if isinstance(v, nnx.Variable)
+                ]
+                self._layers = int(leads[0])
+
+    def _stack_kind(self, path: str) -> str | None:
+        """``"stack"`` or ``"list"`` where ``path`` (a variable's, or an optimizer moment's
+        ending in it) lies inside the ``pipeline=`` blocks, else ``None``."""
+        parts = tuple(path.split("/"))
+        for key, kind in self._stacks.items():
+            n = len(key)
+            for i in range(len(parts) - n):
+                window = parts[i : i + n]
+                if all(k == "*" or k == w for k, w in zip(key, window, strict=True)):
+                    if kind == "list" and not window[-1].isdigit():
+                        continue
+                    return kind
+        return None
 
     def _tensor_specs(self, path: str, leaf: Any) -> tuple[list[Any], str | None]:
         shape = np.shape(leaf_value(leaf))
@@ -389,6 +556,11 @@ class HybridStrategy(Strategy):
         axes = [a for a in ("fsdp", _C) if self.mesh.shape.get(a, 1) > 1]
         if self.expert > 1 and _E not in specs and expert_dim(path, shape) is None:
             axes.append(_E)
+        kind = self._stack_kind(path) if self.stage > 1 else None
+        if kind == "stack" and shape and specs[0] is None and shape[0] % self.stage == 0:
+            specs[0] = _S  # the layer dimension: each stage holds its layers
+        elif kind == "list":
+            axes.insert(0, _S)  # each block split over every stage, re-stacked in the step
         n = math.prod(self.mesh.shape[a] for a in axes)
         if axes and nbytes(leaf) >= self.min_shard_bytes and not set(axes) & set(specs):
             entry = axes[0] if len(axes) == 1 else tuple(axes)
@@ -406,20 +578,53 @@ class HybridStrategy(Strategy):
 
     def trace_step(self, call: Any, state: Any, arrays: Any, layouts: Any, shardings: Any) -> Any:
         """With ``context``: the step traced with :func:`dtensor.context_attention` in this
-        preset's ``context_mode``, Flax's attention routed to it (:mod:`strategies.reads.attention`)."""
-        if self.context == 1:
+        preset's ``context_mode``, Flax's attention routed to it (:mod:`strategies.reads.attention`).
+        With ``stage``: the ``pipeline=`` blocks run in stages (:mod:`strategies.reads.pipeline`)."""
+        if self.context == 1 and self.stage == 1:
             return super().trace_step(call, state, arrays, layouts, shardings)
+        plan = self.pipeline_plan() if self.stage > 1 else None
 
         def routed(state: Any, arrays: Any, *, prepare: Any = None) -> Any:
             def both(nodes: Any) -> None:
-                route_attention_fns(nodes)
+                if self.context > 1:
+                    route_attention_fns(nodes)
                 if prepare is not None:
                     prepare(nodes)
+                if plan is not None:  # over the classes the reads gave the blocks
+                    prepare_lists(nodes, plan)
 
             return call(state, arrays, prepare=both)
 
-        with _context_mode(self.context_mode), routed_flax_attention():
-            return super().trace_step(routed, state, arrays, layouts, shardings)
+        with contextlib.ExitStack() as stack:
+            if self.context > 1:
+                stack.enter_context(_context_mode(self.context_mode))
+                stack.enter_context(routed_flax_attention())
+            if plan is not None:
+                stack.enter_context(pipelined(plan))
+            out = super().trace_step(routed, state, arrays, layouts, shardings)
+        if plan is not None and not plan.runs and self._stacks:
+            raise PipelineError(
+                f"HybridStrategy(stage={self.stage}, pipeline=({', '.join(c.__name__ for c in self.pipeline)},)): "
+                "the step ran no blocks of those classes in stages. A scanned stack is pipelined "
+                "where the step calls flax.nnx.scan over it (looked up as nnx.scan, "
+                "out_axes=nnx.Carry); a list where its first block is called. Name the class of "
+                "the blocks the model repeats, or drop stage=."
+            )
+        return out
+
+    def pipeline_plan(self) -> PipelinePlan:
+        """How a step's ``pipeline=`` blocks run in stages (a fresh plan per trace)."""
+        return PipelinePlan(
+            classes=self.pipeline,
+            stages=self.stage,
+            microbatches=self.microbatches,
+            repeats=self._rounds(),
+            axis=_S,
+            batch_axes=self.batch_axes,
+            remat=bool(self.remat),
+            policy=None,
+            preset=type(self).__name__,
+        )
 
     def kept_axes(self, path: str) -> tuple[str, ...]:
         """Mesh axes a read of ``path`` keeps split (an expert stack keeps ``expert``)."""
@@ -508,9 +713,19 @@ class HybridStrategy(Strategy):
 
     def rule_name(self, path: str, leaf: Any) -> str | None:
         _, rule = self._tensor_specs(path, leaf)
+        kind = self._stack_kind(path) if self.stage > 1 else None
+        if kind is not None:
+            return f"pipeline {kind}" + (f", {rule}" if rule else "")
         if rule is None and self.mesh.shape["tensor"] > 1:
             return None  # no tensor rule matched: reported as unmatched
         return rule or self.name
+
+
+def _node_at(root: Any, path: tuple[Any, ...]) -> Any:
+    for p, node in nnx.iter_graph(root):
+        if tuple(p) == tuple(path):
+            return node
+    raise KeyError(path)
 
 
 def _user_stacklevel() -> int:

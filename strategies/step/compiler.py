@@ -132,6 +132,8 @@ class StepCompiler:
     def _node_state(self, nodes: list[Any], cached: GraphCache | None) -> tuple[Any, Any, Any]:
         if not nodes:
             return None, None, None
+        for node in nodes:
+            self.strategy.observe(node)
         if cached is not None:
             graphdef, state = cached.graphdef, cached.read()
             if cached.layouts is None:

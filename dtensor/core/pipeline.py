@@ -1,0 +1,240 @@
+"""Pipeline parallelism in one SPMD program: stacked layers over a ``stage`` mesh axis.
+
+:func:`pipeline` runs ``L`` layers (a stack: every weight with a leading layer
+dimension) on a batch cut into ``M`` microbatches. The layers are split over
+the ``S`` devices of the ``stage`` axis in ``R`` rounds (``repeats``): layer
+group ``g = r * S + s`` (``L / (R * S)`` consecutive layers) lives on stage
+``s``. Each iteration every stage runs its layer group on one microbatch
+(``jax.vmap`` over the stage dimension, partitioned over ``stage``), then the
+activations move one stage on with a collective permute over ``stage``
+(``jnp.roll`` of the stage-split array, which XLA lowers to ICI or DCN).
+Microbatch ``m`` of round ``r`` reaches stage ``s`` at iteration
+``r * M + m + s``; the program runs ``R * M + S - 1`` iterations, of which
+each stage idles ``S - 1``: the bubble fraction is
+``(S - 1) / (R * M + S - 1)`` (:func:`bubble_fraction`).
+
+Schedules (``repeats``):
+
+- ``R = 1``: GPipe. Each stage holds ``L / S`` consecutive layers. The
+  backward pass (JAX's transpose of the iteration loop) runs every
+  microbatch's backward after every forward, so the activations of all ``M``
+  microbatches are live at its start: with ``remat=True`` one stage input per
+  iteration (``(M + S - 1)`` microbatch activations per device) plus what the
+  layers inside keep.
+- ``R > 1``: circular (interleaved). Each stage holds ``R`` groups of layers
+  ``S`` groups apart, and a microbatch goes round the ring ``R`` times; the
+  bubble shrinks ``R``-fold for ``R`` times the permutes. It needs
+  ``M >= S`` (a microbatch comes back to stage 0 after its last round's
+  stage ``S - 1``, and waits there for ``M - S + 1`` iterations).
+
+Stages that idle compute on stale values whose results are never used, so
+their FLOPs are in the compiled program (a step-time floor from it includes
+the bubble) and their gradients are zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["PIPELINE_SCOPE", "bubble_fraction", "pipeline"]
+
+#: The name scope of the pipeline's loop (``explain`` finds its permutes by it).
+PIPELINE_SCOPE = "pipeline_stages"
+
+_U = P.UNCONSTRAINED
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle fraction of a pipelined step: ``(S - 1) / (R * M + S - 1)``.
+
+    Examples:
+        >>> from dtensor.core.pipeline import bubble_fraction
+        >>> bubble_fraction(4, 8), bubble_fraction(4, 8, repeats=2), bubble_fraction(1, 8)
+        (0.2727272727272727, 0.15789473684210525, 0.0)
+    """
+    if stages <= 1:
+        return 0.0
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def pipeline(
+    stage_fn: Callable[[Any, Any], Any],
+    weights: Any,
+    inputs: Any,
+    *,
+    stages: int,
+    microbatches: int,
+    repeats: int = 1,
+    axis: str = "stage",
+    batch_axes: Sequence[str] = (),
+    remat: bool = False,
+    policy: Any = None,
+    side: Any = None,
+) -> Any:
+    """``inputs`` through ``L`` stacked layers, pipelined over the ``axis`` mesh axis.
+
+    Args:
+        stage_fn: ``stage_fn(group, x) -> x`` (``stage_fn(group, x, side)``
+            with ``side``): a group of consecutive layers
+            (``weights`` with their leading dimension ``L / (repeats *
+            stages)``) applied to one microbatch ``x`` (a pytree shaped like
+            ``inputs`` with ``B / M`` rows).
+        weights: a pytree of arrays with a leading layer dimension ``L``
+            (layer ``l`` at index ``l``); other arrays the layers take one of
+            per layer (a rotary base per layer, say) may be part of it.
+        inputs: a pytree of arrays with a leading batch dimension ``B``
+            (a multiple of ``microbatches``); microbatch ``m`` is rows
+            ``m, m + M, m + 2M, ...``, so each stays split over the batch
+            axes as ``inputs`` are.
+        stages: ``S``, the size of the ``axis`` mesh axis.
+        microbatches: ``M``.
+        repeats: ``R`` rounds of the ring (1: GPipe; more: circular).
+        axis: the mesh axis of the stages.
+        batch_axes: mesh axes the microbatch rows are split over (constrained
+            through the loop).
+        remat: recompute each stage's forward in the backward pass
+            (``jax.checkpoint`` with ``policy``), keeping one stage input per
+            iteration.
+        policy: a ``jax.checkpoint`` policy for ``remat``.
+        side: a pytree of arrays with the leading batch dimension ``B`` that the
+            layers read but do not change (an attention mask, segment ids):
+            cut into the same microbatches, and given to each stage for the
+            microbatch it runs (``stage_fn(group, x, side)``) without moving
+            between stages.
+
+    Returns:
+        ``inputs`` after the ``L`` layers, in their shape.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> from dtensor.core.pipeline import pipeline
+        >>> mesh = dtensor.create_mesh([("stage", 4), ("data", 2)])
+        >>> w = jnp.arange(8.0)  # 8 layers, each adds its weight
+        >>> x = jnp.zeros((16, 3))
+        >>> add = lambda group, x: x + group.sum()
+        >>> with mesh:
+        ...     y = jax.jit(lambda w, x: pipeline(add, w, x, stages=4, microbatches=4))(w, x)
+        >>> float(y[0, 0]), float(w.sum())
+        (28.0, 28.0)
+    """
+    S, M, R = int(stages), int(microbatches), int(repeats)
+    layers = {int(np.shape(a)[0]) for a in jax.tree.leaves(weights)}
+    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves((inputs, side))}
+    if len(layers) != 1:
+        raise ValueError(
+            f"pipeline: the weights' leading (layer) dimensions differ ({sorted(layers)}); "
+            "every weight of a stack has one entry per layer."
+        )
+    if len(rows) != 1:
+        raise ValueError(
+            f"pipeline: the inputs' leading (batch) dimensions differ ({sorted(rows)}); "
+            "every input a layer carries has one row per example."
+        )
+    (L,), (B,) = layers, rows
+    if L % (S * R):
+        raise ValueError(
+            f"pipeline: {L} layers do not divide into {R} round(s) of {S} stages "
+            f"({S * R} layer groups); choose stages x repeats dividing {L}."
+        )
+    if B % M:
+        raise ValueError(
+            f"pipeline: a batch of {B} does not divide into {M} microbatches; choose "
+            f"microbatches dividing {B}."
+        )
+    if R > 1 and M < S:
+        raise ValueError(
+            f"pipeline: the circular schedule ({R} rounds) needs at least as many "
+            f"microbatches as stages (got {M} microbatches, {S} stages): a microbatch "
+            "comes back to stage 0 for its next round only after stage 0 has started "
+            f"every microbatch of this one. Use microbatches >= {S}, or repeats=1 (GPipe)."
+        )
+    g = L // (S * R)
+    batch = tuple(batch_axes)
+    batch_entry = None if not batch else batch[0] if len(batch) == 1 else batch
+
+    def constrain(x: Any, lead: tuple[Any, ...]) -> Any:
+        spec = P(*lead, *([_U] * (np.ndim(x) - len(lead))))
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    # Weights [L, ...] -> [S, R, g, ...], the stage dimension over ``axis``. Layer
+    # l = (r * S + s) * g + j; with R = 1 this is the stored [L] split over ``axis``.
+    def by_stage(w: Any) -> Any:
+        w = jnp.reshape(w, (R, S, g) + np.shape(w)[1:])
+        return constrain(jnp.swapaxes(w, 0, 1), (axis,))
+
+    stacked = jax.tree.map(by_stage, weights)
+
+    # Inputs [B, ...] -> [M, B / M, ...]: microbatch m = rows m, m + M, ...
+    def to_micro(x: Any) -> Any:
+        x = jnp.reshape(x, (B // M, M) + np.shape(x)[1:])
+        return constrain(jnp.swapaxes(x, 0, 1), (None, batch_entry))
+
+    def from_micro(x: Any) -> Any:
+        x = jnp.swapaxes(x, 0, 1)
+        return jnp.reshape(x, (B,) + np.shape(x)[2:])
+
+    micro = jax.tree.map(to_micro, inputs)
+    micro_side = jax.tree.map(to_micro, side)
+
+    def run(group: Any, r: Any, x: Any, aside: Any) -> Any:
+        group = jax.tree.map(lambda w: w[0] if R == 1 else w[r], group)
+        return stage_fn(group, x) if side is None else stage_fn(group, x, aside)
+
+    if remat:
+        run = jax.checkpoint(run, policy=policy, prevent_cse=False)
+
+    def store(buf: Any, got: Any, s: Any, t: Any) -> Any:
+        # What came round from stage S - 1 (its output of iteration t - 1, for k = t - S)
+        # waits in stage 0's buffer until its next round, or the end.
+        k = t - S
+        keep = (s == 0) & (k >= 0)
+        m = jnp.mod(k, M)
+        return jax.tree.map(
+            lambda b, x: b.at[m].set(jnp.where(keep, x, b[m])), buf, got
+        )
+
+    def one_stage(group: Any, got: Any, buf: Any, s: Any, t: Any) -> tuple[Any, Any]:
+        k = t - s
+        r = jnp.clip(k // M, 0, R - 1)
+        m = jnp.mod(k, M)
+        buf = store(buf, got, s, t)
+        first = jax.tree.map(lambda x: x[m], micro)
+        again = jax.tree.map(lambda b: b[m], buf)
+        x = jax.tree.map(
+            lambda a, b, c: jnp.where(s == 0, jnp.where(r == 0, a, b), c), first, again, got
+        )
+        aside = jax.tree.map(lambda x: x[m], micro_side)
+        return run(group, r, x, aside), buf
+
+    vmapped = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axis)
+    ids = jnp.arange(S)
+
+    def staged(x: Any, lead: int) -> Any:
+        return constrain(x, (axis,) + (None,) * lead + (batch_entry,))
+
+    zeros = jax.tree.map(lambda x: jnp.zeros((S,) + np.shape(x)[1:], x.dtype), micro)
+    got0 = jax.tree.map(lambda x: staged(x, 0), zeros)
+    buf0 = jax.tree.map(
+        lambda x: staged(jnp.zeros((S,) + np.shape(x), x.dtype), 1), micro
+    )
+
+    def iteration(carry: Any, t: Any) -> tuple[Any, None]:
+        got, buf = carry
+        out, buf = vmapped(stacked, got, buf, ids, t)
+        got = jax.tree.map(lambda y: staged(jnp.roll(y, 1, axis=0), 0), out)
+        buf = jax.tree.map(lambda b: staged(b, 1), buf)
+        return (got, buf), None
+
+    steps = R * M + S - 1
+    with jax.named_scope(PIPELINE_SCOPE):
+        (got, buf), _ = jax.lax.scan(iteration, (got0, buf0), jnp.arange(steps))
+        buf = jax.vmap(store, in_axes=(0, 0, 0, None), spmd_axis_name=axis)(
+            buf, got, ids, jnp.asarray(steps)
+        )
+    return jax.tree.map(lambda b: from_micro(b[0]), buf)

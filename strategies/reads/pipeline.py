@@ -1,0 +1,406 @@
+"""The blocks a model repeats, pipelined over ``stage`` with the model unchanged.
+
+HybridStrategy(stage=S, pipeline=(Block,)) runs the calls of the named block
+class through :func:`dtensor.core.pipeline.pipeline` inside the steps it
+traces, in either way a Flax model repeats its blocks:
+
+- **a scanned stack** (one module whose variables have a leading layer
+  dimension, built by ``nnx.vmap`` and run by ``nnx.scan``): inside the step,
+  a call of ``flax.nnx.scan(f, in_axes=..., out_axes=nnx.Carry)`` whose
+  arguments hold such a module at an ``in_axes=0`` position runs ``f`` in
+  stages: each stage's slice of the stack (and of the other ``in_axes=0``
+  arguments) goes through ``nnx.scan(f)`` itself, the ``nnx.Carry``
+  argument is cut into microbatches.
+- **a list of blocks** (``[Block(...) for _ in range(L)]``, as Flax's Gemma
+  is written): the first block's call runs all ``L`` blocks in stages (their
+  variables stacked) and returns the last one's output; each later call
+  checks that it got the previous call's output and returns it unchanged.
+
+In both, a block's first argument (the carry) and every other argument array
+of rank 2 or more whose leading dimension is the batch's are cut into
+microbatches; other arguments (positions, say) are given to every layer as
+they are. What pipelining needs from the model: the blocks called one after
+another, each one's output the next one's input and nothing in between;
+blocks whose calls change no variables (no batch statistics, no dropout
+RNG); ``nnx.scan`` looked up as ``nnx.scan`` when the step runs (not bound
+at import) with ``out_axes=nnx.Carry``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.nnx.transforms import iteration as _iteration
+
+from dtensor.core.pipeline import pipeline
+from strategies.reads import swaps
+
+__all__ = [
+    "PipelineError",
+    "PipelinePlan",
+    "find_stacks",
+    "pipelined",
+    "prepare_lists",
+]
+
+_ORIGINAL_SCAN = _iteration.scan
+_TAG = "_dtensor_pipeline"
+_local = threading.local()
+
+
+class PipelineError(ValueError):
+    """A model's blocks cannot be pipelined as they are called."""
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """What the traced step pipelines, and how."""
+
+    classes: tuple[type, ...]
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    axis: str = "stage"
+    batch_axes: tuple[str, ...] = ()
+    remat: bool = False
+    policy: Any = None
+    preset: str = "HybridStrategy"
+    #: how many stacks and lists were pipelined in this trace (explain reports it)
+    runs: int = 0
+    chains: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+
+    def matches(self, node: Any) -> bool:
+        base = swaps.swapped_base(type(node))
+        return isinstance(base, type) and issubclass(base, self.classes)
+
+    def run(self, stage_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
+        self.runs += 1
+        return pipeline(
+            stage_fn,
+            weights,
+            carry,
+            stages=self.stages,
+            microbatches=self.microbatches,
+            repeats=self.repeats,
+            axis=self.axis,
+            batch_axes=self.batch_axes,
+            remat=self.remat,
+            policy=self.policy,
+            side=side,
+        )
+
+
+def _active() -> PipelinePlan | None:
+    return getattr(_local, "plan", None)
+
+
+@contextlib.contextmanager
+def pipelined(plan: PipelinePlan) -> Iterator[PipelinePlan]:
+    """Within the block, ``nnx.scan`` over a stack of ``plan.classes`` runs in stages."""
+    saved = _active(), nnx.scan
+    _local.plan = plan
+    nnx.scan = _scan
+    try:
+        yield plan
+    finally:
+        _local.plan, nnx.scan = saved
+
+
+# ------------------------------------------------------------------ arguments
+def _rows(tree: Any) -> int | None:
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and np.ndim(x) >= 1]
+    return int(np.shape(leaves[0])[0]) if leaves else None
+
+
+def _check_carry(carry: Any, plan: PipelinePlan, what: str) -> int:
+    leaves = jax.tree.leaves(carry)
+    shapes = [np.shape(x) for x in leaves]
+    rows = {s[0] for s in shapes if len(s)}
+    if not leaves or len(rows) != 1 or any(len(s) == 0 for s in shapes):
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}): {what} carries {shapes}, but a pipelined "
+            "carry must be arrays with the same leading (batch) dimension, cut into "
+            f"{plan.microbatches} microbatches; a scalar accumulated across layers (an MoE "
+            "load-balancing loss, say) has no rows to cut. Return such values per layer "
+            "instead, or run this model without stage=."
+        )
+    (b,) = rows
+    if b % plan.microbatches:
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}, microbatches={plan.microbatches}): {what} "
+            f"carries a batch of {b} rows, which does not divide into "
+            f"{plan.microbatches} microbatches. Choose microbatches dividing {b}."
+        )
+    return b
+
+
+def _split_side(tree: Any, rows: int) -> tuple[Any, Any]:
+    """``tree``'s arrays of rank >= 2 with ``rows`` leading rows (cut into microbatches),
+    and the rest (given to every layer as they are), as two trees with ``None`` holes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    batched = [
+        isinstance(x, jax.Array | np.ndarray) and np.ndim(x) >= 2 and np.shape(x)[0] == rows
+        for x in leaves
+    ]
+    side = [x if b else None for x, b in zip(leaves, batched, strict=True)]
+    rest = [None if b else x for x, b in zip(leaves, batched, strict=True)]
+    return (treedef, batched, side, rest)
+
+
+def _join(split: Any, side: list[Any]) -> Any:
+    treedef, batched, _, rest = split
+    it = iter(side)
+    return jax.tree.unflatten(
+        treedef, [next(it) if b else x for x, b in zip(rest, batched, strict=True)]
+    )
+
+
+def _side_of(split: Any) -> list[Any]:
+    _, batched, side, _ = split
+    return [x for x, b in zip(side, batched, strict=True) if b]
+
+
+# ------------------------------------------------------------------ scanned stacks
+def _scan(f: Any = None, **kwargs: Any) -> Any:
+    """``flax.nnx.scan`` inside a pipelined step (a decorator with or without arguments)."""
+    if f is None:
+        return functools.partial(_scan, **kwargs)
+    plain = _ORIGINAL_SCAN(f, **kwargs)
+
+    @functools.wraps(f)
+    def call(*args: Any) -> Any:
+        plan = _active()
+        if plan is None:
+            return plain(*args)
+        in_axes = kwargs.get("in_axes", (nnx.Carry, 0))
+        axes = tuple(in_axes) if isinstance(in_axes, tuple | list) else (in_axes,) * len(args)
+        stacks = [
+            i
+            for i, (a, ax) in enumerate(zip(args, axes, strict=False))
+            if ax == 0 and ax is not nnx.Carry and isinstance(a, nnx.Module) and plan.matches(a)
+        ]
+        if not stacks:
+            return plain(*args)
+        return _scan_stages(f, kwargs, args, axes, plan)
+
+    return call
+
+
+def _scan_stages(f: Any, kwargs: dict[str, Any], args: tuple[Any, ...], axes: Any, plan: Any) -> Any:
+    name = getattr(f, "__qualname__", repr(f))
+    out_axes = kwargs.get("out_axes", (nnx.Carry, 0))
+    if out_axes is not nnx.Carry:
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}): nnx.scan({name}) over a stack of "
+            f"{plan.classes[0].__name__} has out_axes={out_axes!r}; a pipelined stack returns "
+            "only its carry (out_axes=nnx.Carry), since the stages run the layers at different "
+            "times. Return per-layer values through the carry, or drop pipeline=."
+        )
+    carries = [i for i, ax in enumerate(axes) if ax is nnx.Carry]
+    if len(carries) != 1:
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}): nnx.scan({name}) has {len(carries)} "
+            "nnx.Carry arguments; a pipelined stack takes exactly one (the hidden states)."
+        )
+    (ci,) = carries
+    rows = _check_carry(args[ci], plan, f"nnx.scan({name})")
+    per_layer = [i for i, ax in enumerate(axes) if ax == 0 and ax is not nnx.Carry]
+    graphdefs: dict[int, Any] = {}
+    weights: dict[int, Any] = {}
+    for i in per_layer:
+        if isinstance(args[i], nnx.Module):
+            graphdefs[i], weights[i] = nnx.split(args[i])
+        else:
+            weights[i] = args[i]
+    broadcast = {i: _split_side(args[i], rows) for i, ax in enumerate(axes) if ax is None}
+    sides = {i: _side_of(s) for i, s in broadcast.items()}
+    inner_kwargs = {k: v for k, v in kwargs.items() if k != "length"}
+    plain = _ORIGINAL_SCAN(f, **inner_kwargs)
+
+    def stage_fn(group: dict[int, Any], x: Any, side: dict[int, Any]) -> Any:
+        new = list(args)
+        for i, w in group.items():
+            new[i] = nnx.merge(graphdefs[i], w) if i in graphdefs else w
+        for i, split in broadcast.items():
+            new[i] = _join(split, side[i])
+        new[ci] = x
+        return plain(*new)
+
+    return plan.run(stage_fn, weights, args[ci], sides)
+
+
+# ------------------------------------------------------------------ lists of blocks
+def find_stacks(root: Any, classes: tuple[type, ...]) -> dict[tuple[Any, ...], str]:
+    """The paths (from ``root``) of the modules of ``classes`` to pipeline: ``"list"``
+    for each block of a group of two or more siblings, ``"stack"`` for a lone one whose
+    variables all share one leading dimension (a stack built by ``nnx.vmap``)."""
+    found = [
+        (tuple(path), node)
+        for path, node in nnx.iter_graph(root)
+        if isinstance(node, nnx.Module)
+        and isinstance(swaps.swapped_base(type(node)), type)
+        and issubclass(swaps.swapped_base(type(node)), classes)
+    ]
+    inside = [p for p, _ in found]
+    # Only the outermost instances (a block class nested in itself is one block).
+    found = [(p, n) for p, n in found if not any(q != p and p[: len(q)] == q for q in inside)]
+    by_parent: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+    for path, _ in found:
+        by_parent.setdefault(path[:-1], []).append(path)
+    out: dict[tuple[Any, ...], str] = {}
+    nodes = dict(found)
+    for paths in by_parent.values():
+        if len(paths) > 1:
+            out.update({p: "list" for p in paths})
+            continue
+        (path,) = paths
+        leads = {
+            np.shape(v.get_raw_value())[:1]
+            for _, v in nnx.iter_graph(nodes[path])
+            if isinstance(v, nnx.Variable)
+        }
+        if len(leads) == 1 and next(iter(leads)):
+            out[path] = "stack"
+    return out
+
+
+@functools.cache
+def _pipeline_class(cls: type) -> type:
+    inner = cls.__call__
+
+    def __call__(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = _active()
+        tag = getattr(self, _TAG, None)
+        if plan is None or tag is None:
+            return inner(self, x, *args, **kwargs)
+        key, index, count = tag
+        if index == 0:
+            blocks = _siblings(self, key, count, plan)
+            out = _run_list(blocks, inner, x, args, kwargs, plan)
+            plan.chains[key] = (1, out)
+            return out
+        want, last = plan.chains.get(key, (0, None))
+        if want != index or not _same(x, last):
+            plan.chains.pop(key, None)
+            raise PipelineError(
+                f"{plan.preset}(stage={plan.stages}): the blocks at {key} are pipelined as one "
+                f"stack (the first one's call runs all {count}), so each block's input must be "
+                f"the previous block's output, unchanged, in order; block {index} was called "
+                + (
+                    f"with something else as its input"
+                    if want == index
+                    else f"out of order (block {want} was due)"
+                )
+                + ". Call the blocks one after another with nothing in between, or leave "
+                "them out of pipeline=."
+            )
+        plan.chains[key] = (index + 1, x)
+        if index + 1 == count:
+            plan.chains.pop(key, None)
+        return x
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, swaps._BASE: swaps.swapped_base(cls)})
+
+
+def _same(a: Any, b: Any) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb, strict=True))
+
+
+def prepare_lists(nodes: Any, plan: PipelinePlan) -> None:
+    """Tag the blocks of each list of ``plan.classes`` in ``nodes`` (merged inside the
+    trace) and give them the pipelined ``__call__`` (over whatever class they have)."""
+    for path, kind in find_stacks(nodes, plan.classes).items():
+        if kind != "list":
+            continue
+        node = _at(nodes, path)
+        key = "/".join(str(p) for p in path[:-1])
+        siblings = [p for p, k in find_stacks(nodes, plan.classes).items() if p[:-1] == path[:-1]]
+        index = sorted(siblings, key=_order).index(path)
+        setattr(node, _TAG, (key, index, len(siblings)))
+        node.__class__ = _pipeline_class(type(node))
+
+
+def _order(path: tuple[Any, ...]) -> Any:
+    last = path[-1]
+    return (0, last, "") if isinstance(last, int) else (1, 0, str(last))
+
+
+def _at(root: Any, path: tuple[Any, ...]) -> Any:
+    for _, (p, node) in enumerate(nnx.iter_graph(root)):
+        if tuple(p) == path:
+            return node
+    raise KeyError(path)
+
+
+def _siblings(block: Any, key: str, count: int, plan: PipelinePlan) -> list[Any]:
+    """The ``count`` blocks tagged ``key`` that ``block`` (the first) belongs with: those of
+    the innermost calling frame holding a module whose graph has all of them, ``block``
+    itself first (the same objects the step's own trace merged)."""
+    frame = sys._getframe(2)
+    seen: set[int] = set()
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if not isinstance(value, nnx.Module) or value is block or id(value) in seen:
+                continue
+            seen.add(id(value))
+            found: dict[int, Any] = {}
+            for _, node in nnx.iter_graph(value):
+                tag = getattr(node, _TAG, None) if isinstance(node, nnx.Module) else None
+                if tag is not None and tag[0] == key:
+                    found[tag[1]] = node
+            if len(found) == count and found.get(0) is block:
+                return [found[i] for i in range(count)]
+        frame = frame.f_back
+    raise PipelineError(
+        f"{plan.preset}(stage={plan.stages}): the first block at {key} was called, but no "
+        f"calling function holds the module that owns all {count} blocks (as a method's "
+        "self or a local), so they cannot be run in stages. Call the blocks from a method "
+        "of the module that holds them, as `for block in self.blocks: x = block(x)`."
+    )
+
+
+def _run_list(
+    blocks: list[Any], inner: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Any
+) -> Any:
+    key = "the list of blocks"
+    rows = _check_carry(x, plan, f"{type(blocks[0]).__name__}'s call")
+    splits = [nnx.split(b) for b in blocks]
+    graphdef, first = splits[0]
+    # Block 0's Variables (their types and read functions) stand for every layer's: the
+    # blocks are identical but for their values, and laid out alike.
+    paths = [(p, np.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(first)]
+    values = []
+    for i, (_, state) in enumerate(splits):
+        found = jax.tree_util.tree_leaves_with_path(state)
+        if [(p, np.shape(v)) for p, v in found] != paths:
+            raise PipelineError(
+                f"{plan.preset}(stage={plan.stages}): block {i} of {key} differs from block 0 "
+                "in its variables (names or shapes); pipelined blocks must be identical but "
+                "for their values."
+            )
+        values.append([v for _, v in found])
+    treedef = jax.tree.structure(first)
+    weights = jax.tree.unflatten(treedef, [jnp.stack(vs) for vs in zip(*values, strict=True)])
+    split = _split_side((args, kwargs), rows)
+
+    def stage_fn(group: Any, x: Any, side: Any) -> Any:
+        a, kw = _join(split, side)
+
+        def body(x: Any, layer: Any) -> tuple[Any, None]:
+            return inner(nnx.merge(graphdef, layer), x, *a, **kw), None
+
+        x, _ = jax.lax.scan(body, x, group)
+        return x
+
+    return plan.run(stage_fn, weights, x, _side_of(split))
