@@ -139,8 +139,29 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         "round a ring",
     )
     p.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        help="hybrid: the pipeline-parallel size (the decoder's blocks split over a stage axis, "
+        "the batch through it in --microbatches; on several slices the stages span them); "
+        "default 1",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="hybrid with --stage: microbatches per step; default: the stage count",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=["gpipe", "circular"],
+        default=None,
+        help="hybrid with --stage: GPipe (each stage its consecutive layers; the default) or "
+        "circular (each stage one layer per round, the ring gone round layers / stage times)",
+    )
+    p.add_argument(
         "--across-slices",
-        choices=["data", "fsdp"],
+        choices=["data", "fsdp", "stage"],
         default=None,
         help="hybrid, on a multi-slice TPU topology: the axis that spans the slices over DCN "
         "(data: each slice one data-parallel replica, fsdp within it; fsdp: one fsdp group over "
@@ -256,8 +277,11 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     context = getattr(args, "context", None) or 1
     if context > 1 and not hybrid:
         applied["context"] = "not available"
+    stage = getattr(args, "stage", None) or 1
+    if stage > 1 and not hybrid:
+        applied["stage"] = "not available"
     expert *= context  # fsdp gets what tensor, expert and context leave
-    if hybrid and (args.tensor or decoder or across or expert > 1):
+    if hybrid and (args.tensor or decoder or across or expert > 1 or stage > 1):
         from strategies.placement.slices import slice_count
 
         tensor = args.tensor or 1
@@ -269,6 +293,15 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
         # data, and the default on several slices: llama2-70b on 2 x v5p:4x4x2, floor 1.17 s
         # against 1.74 s with fsdp over both), or over every chip (--across-slices fsdp).
         slices = slice_count(devices) if across != "fsdp" else 1
+        if stage > 1 and across is None and slices > 1 and stage % slices == 0:
+            across = "stage"  # the stages span the slices: only activations cross DCN
+        if stage > 1 and across == "stage":
+            slices = 1  # no data-parallel replicas: the slices are stages
+        if len(devices) % stage or (len(devices) // stage) % tensor:
+            raise ValueError(
+                f"--stage {stage} x --tensor {tensor} does not divide the {len(devices)} "
+                "devices; pass divisors of it."
+            )
         if (len(devices) // slices) % tensor:
             if across == "data":
                 raise ValueError(
@@ -276,10 +309,10 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
                     "a slice (--across-slices data); pass a divisor of it."
                 )
             slices = 1
-        if (len(devices) // slices // tensor) % expert:
+        if (len(devices) // slices // stage // tensor) % expert:
             raise ValueError(
                 f"--expert x --context {expert} does not divide the "
-                f"{len(devices) // slices // tensor} devices left for fsdp x expert x context (of "
+                f"{len(devices) // slices // stage // tensor} devices left for fsdp x expert x context (of "
                 f"{len(devices)}, {slices} slice(s), --tensor {tensor}); pass a divisor of it."
             )
         extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
@@ -290,6 +323,12 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
             extra["context"] = context
             extra["context_mode"] = getattr(args, "context_mode", None) or "gather"
             applied["context"] = "strategy"
+        if stage > 1:
+            extra["stage"] = stage
+            extra["pipeline"] = (block_cls,)
+            extra["microbatches"] = getattr(args, "microbatches", None) or stage
+            extra["schedule"] = getattr(args, "schedule", None) or "gpipe"
+            applied["stage"] = "strategy"
         if across is not None:
             extra["across_slices"] = across
             applied["across_slices"] = "strategy"
@@ -300,7 +339,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
             applied["gather_layers"] = "strategy (HybridStrategy's plan with remat=)"
         strategy = cls(
             slices,
-            len(devices) // slices // tensor // expert,
+            len(devices) // slices // stage // tensor // expert,
             tensor,
             devices=list(devices),
             min_shard_bytes=0,

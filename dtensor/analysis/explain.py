@@ -293,6 +293,11 @@ def explain(
         if c.kind == "all-to-all" and "expert" in c.mesh_axes
     )
     context = sum(c.total_bytes_per_device for c in collectives if CONTEXT_SCOPE in c.op_name)
+    permutes = [c for c in collectives if c.kind == "collective-permute" and "stage" in c.mesh_axes]
+    by_network: dict[str, float] = {}
+    for c in permutes:
+        if c.network:
+            by_network[c.network] = by_network.get(c.network, 0.0) + c.total_bytes_per_device
     return Report(
         collectives=collectives,
         comm_bytes_per_device=float(sum(c.total_bytes_per_device for c in collectives)),
@@ -323,6 +328,8 @@ def explain(
         dispatch_min_bytes_per_device=dispatch,
         dispatch_capacity=capacity,
         context_bytes_per_device=float(context),
+        stage_bytes_per_device=float(sum(c.total_bytes_per_device for c in permutes)),
+        stage_bytes_by_network=tuple(sorted(by_network.items())),
     )
 
 

@@ -104,6 +104,16 @@ class Report:
     over the ``context`` axis (its K/V all-gathers or ring permutes and the
     load-balancing permutes, forward and backward: the collectives under its
     name scope), part of ``comm_bytes_per_device`` (0 without a context axis).
+    A pipeline over a ``stage`` axis (:func:`dtensor.core.pipeline.pipeline`):
+    ``stage_bytes_per_device`` the collective permutes over ``stage`` (the
+    activations passed from stage to stage, forward and backward),
+    ``stage_bytes_by_network`` the same by network (``(("dcn", bytes),
+    ("ici", bytes))`` on a multi-slice topology; empty where the devices have
+    no network model), ``pipeline_schedule`` the schedule in words and
+    ``bubble_fraction`` its idle fraction, ``(S - 1) / (R M + S - 1)`` (0
+    without a pipeline; set by the strategy that pipelined the step). The idle
+    stages' computation is in the compiled program, so ``step_floor`` (its
+    FLOPs at the chip's peak) includes the bubble.
     """
 
     collectives: tuple[Collective, ...]
@@ -135,6 +145,10 @@ class Report:
     dispatch_min_bytes_per_device: float = 0.0
     dispatch_capacity: float | None = None
     context_bytes_per_device: float = 0.0
+    stage_bytes_per_device: float = 0.0
+    stage_bytes_by_network: tuple[tuple[str, float], ...] = ()
+    bubble_fraction: float = 0.0
+    pipeline_schedule: str = ""
 
     @property
     def step_time_floor_seconds(self) -> float | None:
@@ -321,6 +335,19 @@ def _render(report: Report) -> str:
             at,
             ("  attention over context (K/V)", human_bytes(report.context_bytes_per_device)),
         )
+    if report.stage_bytes_per_device:
+        at = 1 + len(network_rows(report))
+        nets = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.stage_bytes_by_network)
+        rows.insert(
+            at,
+            (
+                "  pipeline permutes over stage" + (f" ({nets})" if nets else ""),
+                human_bytes(report.stage_bytes_per_device),
+            ),
+        )
+    if report.pipeline_schedule:
+        rows.append(("pipeline", report.pipeline_schedule))
+        rows.append(("  bubble (idle fraction)", f"{report.bubble_fraction:.1%}"))
     floor = report.step_floor
     if floor is not None:
         rows.append((f"step-time floor ({floor.bound}-bound)", f"{floor.seconds * 1e3:.1f} ms"))

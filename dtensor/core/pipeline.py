@@ -179,8 +179,15 @@ def pipeline(
         x = jnp.swapaxes(x, 0, 1)
         return jnp.reshape(x, (B,) + np.shape(x)[2:])
 
-    micro = jax.tree.map(to_micro, inputs)
-    micro_side = jax.tree.map(to_micro, side)
+    # Each stage gets its own (stage-split) view of the microbatches, so the gradient of
+    # what stage 0 reads is summed over ``axis`` once after the loop, not at every
+    # iteration (as a read of one array shared by the vmapped stages would be).
+    def per_stage(x: Any) -> Any:
+        x = to_micro(x)
+        return constrain(jnp.broadcast_to(x, (S,) + np.shape(x)), (axis, None, batch_entry))
+
+    micro = jax.tree.map(per_stage, inputs)
+    micro_side = jax.tree.map(per_stage, side)
 
     def run(group: Any, r: Any, x: Any, aside: Any) -> Any:
         group = jax.tree.map(lambda w: w[0] if R == 1 else w[r], group)
@@ -199,7 +206,9 @@ def pipeline(
             lambda b, x: b.at[m].set(jnp.where(keep, x, b[m])), buf, got
         )
 
-    def one_stage(group: Any, got: Any, buf: Any, s: Any, t: Any) -> tuple[Any, Any]:
+    def one_stage(
+        group: Any, got: Any, buf: Any, micro: Any, micro_side: Any, s: Any, t: Any
+    ) -> tuple[Any, Any]:
         k = t - s
         r = jnp.clip(k // M, 0, R - 1)
         m = jnp.mod(k, M)
@@ -212,21 +221,19 @@ def pipeline(
         aside = jax.tree.map(lambda x: x[m], micro_side)
         return run(group, r, x, aside), buf
 
-    vmapped = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axis)
+    vmapped = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name=axis)
     ids = jnp.arange(S)
 
     def staged(x: Any, lead: int) -> Any:
         return constrain(x, (axis,) + (None,) * lead + (batch_entry,))
 
-    zeros = jax.tree.map(lambda x: jnp.zeros((S,) + np.shape(x)[1:], x.dtype), micro)
+    zeros = jax.tree.map(lambda x: jnp.zeros((S,) + np.shape(x)[2:], x.dtype), micro)
     got0 = jax.tree.map(lambda x: staged(x, 0), zeros)
-    buf0 = jax.tree.map(
-        lambda x: staged(jnp.zeros((S,) + np.shape(x), x.dtype), 1), micro
-    )
+    buf0 = jax.tree.map(lambda x: staged(jnp.zeros(np.shape(x), x.dtype), 1), micro)
 
     def iteration(carry: Any, t: Any) -> tuple[Any, None]:
         got, buf = carry
-        out, buf = vmapped(stacked, got, buf, ids, t)
+        out, buf = vmapped(stacked, got, buf, micro, micro_side, ids, t)
         got = jax.tree.map(lambda y: staged(jnp.roll(y, 1, axis=0), 0), out)
         buf = jax.tree.map(lambda b: staged(b, 1), buf)
         return (got, buf), None

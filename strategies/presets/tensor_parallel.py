@@ -423,6 +423,14 @@ class HybridStrategy(Strategy):
 
         return bubble_fraction(self.stage, self.microbatches, self._rounds() or 1)
 
+    def pipeline_description(self) -> str:
+        """The schedule in words (``""`` without ``stage``), as ``explain`` reports it."""
+        if self.stage == 1:
+            return ""
+        r = self._rounds() or 1
+        text = f"{self.schedule}, {self.stage} stages x {self.microbatches} microbatches"
+        return text + (f", {r} rounds" if self.schedule == "circular" else "")
+
     def _rounds(self, layers: int | None = None) -> int | None:
         if self.schedule == "gpipe":
             return 1

@@ -42,6 +42,8 @@ def explain_step(
     fn, with_paths, treedef, mask, flat, nodes = donation.prepare_call(
         s, fn, args, kwargs, donate_argnums, "explain", explicit_reduction=True
     )
+    for node in nodes or ():
+        s.observe(node)
     graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
     layouts = rules = None
     if nodes:
@@ -98,7 +100,14 @@ def explain_step(
                 raise
             raise ours from None
     extra = _layout_findings(compiler, state)
-    return dataclasses.replace(report, warnings=report.warnings + extra) if extra else report
+    if extra:
+        report = dataclasses.replace(report, warnings=report.warnings + extra)
+    describe = getattr(s, "pipeline_description", None)
+    if describe is not None and describe():
+        report = dataclasses.replace(
+            report, pipeline_schedule=describe(), bubble_fraction=s.bubble_fraction
+        )
+    return report
 
 
 def _named_donated(
