@@ -6,6 +6,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,3 +150,58 @@ def time_steps(fn: Callable[[], Any], steps: int) -> float:
 def summary(values: Sequence[float]) -> dict[str, float]:
     """min / median / max of ``values``."""
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+GIB = float(1 << 30)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def aot_train(
+    topology: str, strategy: str, train_args: Sequence[str], *, num_slices: int = 1
+) -> tuple[dict[str, Any], float, list[str]]:
+    """Compile ``examples/train.py`` ahead of time with ``python -m dtensor.aot`` in its own
+    process (libtpu or XLA:GPU, no accelerator): its JSON report, the seconds it took, and the
+    command line (as a user would type it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        head = ["-m", "dtensor.aot", "--topology", topology]
+        if num_slices > 1:
+            head += ["--num-slices", str(num_slices)]
+        head += ["--strategy", strategy]
+        cmd = [sys.executable, *head, "--json", str(out), "--", "examples/train.py", *train_args]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd[1:])} failed:\n{done.stderr[-3000:]}")
+        data = json.loads(out.read_text())
+    shown = ["python", *head, "--", "examples/train.py", *train_args]
+    return data, seconds, shown
+
+
+def memory_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """Peak per chip (as MaxText counts it: arguments + outputs - aliased + temporaries +
+    code), its parts, whether it fits, and the step-time floor, from an aot JSON report."""
+    fit = report.get("memory_fit") or {}
+    floor = report.get("step_floor") or {}
+
+    def gib(v: float | None) -> float | None:
+        return None if v is None else round(v / GIB, 2)
+
+    seconds = report.get("step_time_floor_seconds")
+    return {
+        "mesh": report["mesh"],
+        "peak_gib": gib(fit.get("bytes_per_chip", report["peak_bytes_per_device"])),
+        "hbm_gib": gib(fit.get("hbm_bytes_per_chip")),
+        "arguments_gib": gib(report["argument_bytes_per_device"]),
+        "temporaries_gib": gib(report["temp_bytes_per_device"]),
+        "fits": fit.get("fits"),
+        "floor_ms": None if seconds is None else round(seconds * 1e3, 1),
+        "floor_bound": floor.get("bound"),
+        "mfu_ceiling": report.get("mfu_ceiling"),
+        "comm_gib": gib(report["comm_bytes_per_device"]),
+        "dcn_gib": gib(report.get("dcn_bytes_per_device")),
+        "ib_gib": gib(report.get("ib_bytes_per_device")),
+    }

@@ -28,6 +28,8 @@ from dtensor.core.mesh import MeshError as MeshError
 from dtensor.core.mesh import create_mesh as create_mesh
 from dtensor.core.mesh import current_mesh as current_mesh
 from dtensor.core.partial import PartialArray as PartialArray
+from dtensor.core.pipeline import bubble_fraction as bubble_fraction
+from dtensor.core.pipeline import pipeline as pipeline
 from dtensor.core.reduce_op import ReduceOp as ReduceOp
 from dtensor.core.rules import LayoutMap as LayoutMap
 from dtensor.core.rules import distribute as distribute
@@ -63,6 +65,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "bubble_fraction",
     "call_with_layout",
     "check_layout",
     "checkpoint",
@@ -81,6 +84,7 @@ __all__ = [
     "initialize",
     "num_clients",
     "pack",
+    "pipeline",
     "reduce_scatter",
     "relayout",
     "resolve_layouts",

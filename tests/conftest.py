@@ -137,6 +137,31 @@ EXTENDED.update(
     }
 )
 
+# Pipelines: make test keeps the scanned decoder (stage=4 x data=2, GPipe), the list of blocks
+# composed with fsdp and tensor (circular), Flax's list model (GPipe) and two engine variants;
+# the other mesh x layers x schedule combinations run in make test-extended.
+EXTENDED.update(
+    {
+        f"tests/test_pipeline.py::test_decoder_trains_in_stages_as_on_one_device[{mesh}-{kind}-{sched}]": "variant"
+        for mesh, kind, sched in (
+            ("stage4-data2", "scan", "circular"),
+            ("stage4-data2", "list", "gpipe"),
+            ("stage4-data2", "list", "circular"),
+            ("stage2-fsdp2-tensor2", "scan", "gpipe"),
+            ("stage2-fsdp2-tensor2", "scan", "circular"),
+            ("stage2-fsdp2-tensor2", "list", "gpipe"),
+        )
+    }
+)
+EXTENDED.update(
+    {
+        "tests/test_pipeline.py::test_pipeline_matches_the_layers_run_in_order[gpipe-remat-m2]": "variant",
+        "tests/test_pipeline.py::test_pipeline_matches_the_layers_run_in_order[circular]": "variant",
+        "tests/test_pipeline.py::test_flax_model_with_a_list_of_blocks_trains_in_stages_as_on_one_device"
+        "[circular]": "variant",
+    }
+)
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marker set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -50,7 +50,9 @@ def _layers(group, x):
 def _by_stage(w, mesh):
     """Each stacked weight split along its layer dimension over ``stage``."""
     return jax.tree.map(
-        lambda a: jax.device_put(a, dtensor.Layout(["stage"] + [None] * (a.ndim - 1), mesh).sharding),
+        lambda a: jax.device_put(
+            a, dtensor.Layout(["stage"] + [None] * (a.ndim - 1), mesh).sharding
+        ),
         w,
     )
 
@@ -134,7 +136,9 @@ def test_pipeline_refuses_what_it_cannot_schedule():
         pipeline(_layers, w, x, stages=4, microbatches=2)
     with pytest.raises(ValueError, match="a batch of 8 does not divide into 3 microbatches"):
         pipeline(_layers, _weights(8), x, stages=4, microbatches=3)
-    with pytest.raises(ValueError, match="circular schedule .* needs at least as many microbatches"):
+    with pytest.raises(
+        ValueError, match="circular schedule .* needs at least as many microbatches"
+    ):
         pipeline(_layers, _weights(8), x, stages=4, microbatches=2, repeats=2)
 
 
@@ -312,7 +316,9 @@ def test_stage_needs_the_block_class_and_a_schedule():
     with pytest.raises(ValueError, match="valid schedules are"):
         strategies.HybridStrategy(2, stage=4, pipeline=(Block,), schedule="1f1b")
     with pytest.raises(ValueError, match="circular schedule needs at least as many microbatches"):
-        strategies.HybridStrategy(2, stage=4, microbatches=2, pipeline=(Block,), schedule="circular")
+        strategies.HybridStrategy(
+            2, stage=4, microbatches=2, pipeline=(Block,), schedule="circular"
+        )
     with pytest.raises(ValueError, match="pass stage=S > 1"):
         strategies.HybridStrategy(pipeline=(Block,))
     with pytest.raises(ValueError, match=r"gather_at_read=True\) needs stage=1"):

@@ -220,6 +220,7 @@ class Report:
                 if self.min_comm_references is None
                 else dict(sorted(self.min_comm_references.items()))
             ),
+            stage_bytes_by_network=dict(self.stage_bytes_by_network),
             variables=[v.to_dict() for v in self.variables],
             warnings=[w.to_dict() for w in self.warnings],
         )

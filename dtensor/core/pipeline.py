@@ -165,6 +165,8 @@ def pipeline(
     # Weights [L, ...] -> [S, R, g, ...], the stage dimension over ``axis``. Layer
     # l = (r * S + s) * g + j; with R = 1 this is the stored [L] split over ``axis``.
     def by_stage(w: Any) -> Any:
+        if R == 1:  # a reshape of the stored [L] split over ``axis``: no data moves
+            return constrain(jnp.reshape(w, (S, 1, g) + np.shape(w)[1:]), (axis,))
         w = jnp.reshape(w, (R, S, g) + np.shape(w)[1:])
         return constrain(jnp.swapaxes(w, 0, 1), (axis,))
 
@@ -202,9 +204,7 @@ def pipeline(
         k = t - S
         keep = (s == 0) & (k >= 0)
         m = jnp.mod(k, M)
-        return jax.tree.map(
-            lambda b, x: b.at[m].set(jnp.where(keep, x, b[m])), buf, got
-        )
+        return jax.tree.map(lambda b, x: b.at[m].set(jnp.where(keep, x, b[m])), buf, got)
 
     def one_stage(
         group: Any, got: Any, buf: Any, micro: Any, micro_side: Any, s: Any, t: Any

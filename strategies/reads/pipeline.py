@@ -196,7 +196,9 @@ def _scan(f: Any = None, **kwargs: Any) -> Any:
     return call
 
 
-def _scan_stages(f: Any, kwargs: dict[str, Any], args: tuple[Any, ...], axes: Any, plan: Any) -> Any:
+def _scan_stages(
+    f: Any, kwargs: dict[str, Any], args: tuple[Any, ...], axes: Any, plan: Any
+) -> Any:
     name = getattr(f, "__qualname__", repr(f))
     out_axes = kwargs.get("out_axes", (nnx.Carry, 0))
     if out_axes is not nnx.Carry:
@@ -229,10 +231,10 @@ def _scan_stages(f: Any, kwargs: dict[str, Any], args: tuple[Any, ...], axes: An
 
     def stage_fn(group: dict[int, Any], x: Any, side: dict[int, Any]) -> Any:
         new = list(args)
-        for i, w in group.items():
-            new[i] = nnx.merge(graphdefs[i], w) if i in graphdefs else w
         for i, split in broadcast.items():
             new[i] = _join(split, side[i])
+        for i, w in group.items():
+            new[i] = nnx.merge(graphdefs[i], w) if i in graphdefs else w
         new[ci] = x
         return plain(*new)
 
@@ -297,7 +299,7 @@ def _pipeline_class(cls: type) -> type:
                 f"stack (the first one's call runs all {count}), so each block's input must be "
                 f"the previous block's output, unchanged, in order; block {index} was called "
                 + (
-                    f"with something else as its input"
+                    "with something else as its input"
                     if want == index
                     else f"out of order (block {want} was due)"
                 )

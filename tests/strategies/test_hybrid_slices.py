@@ -102,13 +102,13 @@ def test_errors(two_slices):
         _hybrid(two_slices, data=1, fsdp=1, tensor=8)
     # Checked on every platform, so a typo fails on a laptop before it reaches the slices.
     with pytest.raises(
-        ValueError, match=r"across_slices='stage'\).*pipeline parallelism \(issue #31\)"
+        ValueError, match=r"this mesh has no 'stage' axis; across_slices='stage' needs "
     ):
-        strategies.HybridStrategy(data=-1, across_slices="stage")
+        _hybrid(two_slices, data=8, fsdp=1, across_slices="stage")
     with pytest.raises(
         ValueError,
         match=r"HybridStrategy\(across_slices='tensor'\) names no axis that can span slices; "
-        r"valid values are None \(choose by the sizes\), 'data' and 'fsdp'",
+        r"valid values are None \(choose by the sizes\), 'data', 'fsdp' and 'stage'",
     ):
         strategies.HybridStrategy(data=-1, across_slices="tensor")
 
