@@ -393,3 +393,27 @@ def test_stages_over_dcn_compile_for_two_tpu_slices():
     # variables' gradients; no weight gathers.
     dcn = [c for c in report.collectives if c.network == "dcn"]
     assert {c.kind for c in dcn} <= {"collective-permute", "all-reduce"}
+
+
+def test_preemption_handler_resumes_a_pipelined_run(tmp_path):
+    from strategies.failure_handling import PreemptionCheckpointHandler
+
+    cfg = CONFIGS["tiny"].replace(layers=8, scan=True)
+    batches = _batches(cfg, n=3, batch=16)
+    s = strategies.HybridStrategy(2, stage=4, microbatches=4, pipeline=(Block,), min_shard_bytes=0)
+    with s.scope():
+        model, opt = _build(cfg)
+    h = PreemptionCheckpointHandler(
+        tmp_path, {"model": model, "opt": opt}, save_interval_steps=2, async_save=False
+    )
+    for b in batches[:2]:
+        h.run(s.run, _step, args=(model, opt, b))
+    h.close()
+    want = float(s.run(_step, args=(model, opt, batches[2])))
+    with s.scope():
+        model2, opt2 = _build(cfg)
+    h2 = PreemptionCheckpointHandler(tmp_path, {"model": model2, "opt": opt2})
+    assert h2.total_run_calls == 2
+    assert dtensor.fetch_layout(model2.layers.mlp.up.get_value()).sharding_specs[0] == "stage"
+    assert float(h2.run(s.run, _step, args=(model2, opt2, batches[2]))) == want
+    h2.close()

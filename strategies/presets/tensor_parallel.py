@@ -231,8 +231,11 @@ class HybridStrategy(Strategy):
             "Across slices"): ``"data"`` sends less over DCN and has the
             lower step-time floor, at the memory of a replica over one
             slice's chips. On one slice, CPU and GPU devices the mesh is
-            unchanged and the option only has its name checked; ``"stage"``
-            waits for pipeline parallelism (issue #31).
+            unchanged and the option only has its name checked. ``"stage"``
+            (with ``stage=S``, a multiple of the slice count): each slice
+            holds whole pipeline stages, only the activations' permutes (and
+            the small gradient all-reduces of what the stages replicate)
+            cross DCN.
             ``strategy.across_slices`` is the axis that spans slices
             (``None`` on one slice).
 
