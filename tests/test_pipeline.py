@@ -164,8 +164,7 @@ def test_decoder_trains_in_stages_as_on_one_device(dims, layers, schedule):
     cfg = CONFIGS["tiny"].replace(layers=8, scan=layers == "scan")
     batches = _batches(cfg, batch=16)
     want, want_params = _reference(cfg, batches)
-    m = 8 if dims["stage"] == 4 else 4
-    s, model, got = _decoder_run(cfg, batches, microbatches=m, schedule=schedule, **dims)
+    s, model, got = _decoder_run(cfg, batches, microbatches=8, schedule=schedule, **dims)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[-1] < got[0]
     _close(jax.device_get(nnx.state(model, nnx.Param)), want_params)
@@ -417,3 +416,35 @@ def test_preemption_handler_resumes_a_pipelined_run(tmp_path):
     assert dtensor.fetch_layout(model2.layers.mlp.up.get_value()).sharding_specs[0] == "stage"
     assert float(h2.run(s.run, _step, args=(model2, opt2, batches[2]))) == want
     h2.close()
+
+
+def test_pipeline_benchmark_table_is_the_guide_s():
+    """The guide's pipeline table is ``benchmarks.pipeline --markdown`` of the results file,
+    and the results hold what the guide and the README say of them."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import pipeline as bench
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "results" / "pipeline.json").read_text())["rows"]
+    guide = " ".join((root / "docs" / "guides" / "large_models.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    assert " ".join(bench.markdown(rows).split()) in guide
+    two, four, data, h100 = rows
+    assert two["maxtext_peak_gib"] == 24.30 and data["maxtext_peak_gib"] == 42.77
+    assert two["peak_gib"] < data["peak_gib"] and two["dcn_gib"] < data["dcn_gib"] / 10
+    assert two["bubble_fraction"] == pytest.approx(1 / 3)
+    assert four["bubble_fraction"] == pytest.approx(1 / 5)
+    assert (
+        two["stage_permute_by_network_gib"]["dcn"] > 0
+        and h100["stage_permute_by_network_gib"]["ib"] > 0
+    )
+    for text in (guide, readme):
+        assert (
+            f"needs {two['peak_gib']:.2f} GiB per chip" in text
+            or f"({two['peak_gib']:.2f} GiB" in text
+        )
+        assert f"{two['ratio_to_maxtext']:.2f}x" in text
+    assert f"{data['peak_gib'] - two['peak_gib']:.1f} GiB less per chip" in guide
+    assert f"{h100['peak_gib']:.2f} GiB per GPU" in readme
