@@ -205,3 +205,27 @@ def memory_figures(report: dict[str, Any]) -> dict[str, Any]:
         "dcn_gib": gib(report.get("dcn_bytes_per_device")),
         "ib_gib": gib(report.get("ib_bytes_per_device")),
     }
+
+
+def measure_rows(
+    name: str,
+    specs: Sequence[Any],
+    picked: Sequence[Any],
+    measure: Callable[[Any], dict[str, Any]],
+    key: Callable[[dict[str, Any]], Any],
+    key_of_spec: Callable[[Any], Any],
+    out_dir: Path | None,
+    *,
+    merge: bool,
+) -> list[dict[str, Any]]:
+    """Measure ``picked`` (some of ``specs``) one by one, writing ``results/NAME.json`` after
+    each; with ``merge`` the file's other rows are kept. Rows stay in ``specs``' order."""
+    path = (out_dir or RESULTS) / f"{name}.json"
+    kept = json.loads(path.read_text())["rows"] if merge and path.exists() else []
+    order = [key_of_spec(spec) for spec in specs]
+    rows = [r for r in kept if key(r) in order]
+    for spec in picked:
+        rows = [r for r in rows if key(r) != key_of_spec(spec)] + [measure(spec)]
+        rows.sort(key=lambda r: order.index(key(r)))
+        write_json(name, {"benchmark": name, "rows": rows, "environment": environment()}, out_dir)
+    return rows

@@ -21,11 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,46 +47,11 @@ MAXTEXT: dict[tuple[str, str, int], dict[str, float | str]] = {
 }
 
 
-def command(size: str, topology: str, expert: int, batch: int, out: Path) -> list[str]:
-    """The ``python -m dtensor.aot`` command line of one row."""
-    return [
-        sys.executable,
-        "-m",
-        "dtensor.aot",
-        "--topology",
-        topology,
-        "--strategy",
-        "hybrid",
-        "--json",
-        str(out),
-        "--",
-        "examples/train.py",
-        "--model-size",
-        size,
-        "--expert",
-        str(expert),
-        "--batch-size",
-        str(batch),
-        "--mixed-precision",
-        "bf16",
-        "--remat",
-        "--scan",
-    ]
-
-
 def measure(size: str, topology: str, expert: int, batch: int) -> dict[str, Any]:
     """Compile one row in its own process; its figures from the JSON report."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "report.json"
-        cmd = command(size, topology, expert, batch, out)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd[1:])} failed:\n{done.stderr[-3000:]}")
-        data = json.loads(out.read_text())
+    args = ["--model-size", size, "--expert", str(expert), "--batch-size", str(batch)]
+    args += ["--mixed-precision", "bf16", "--remat", "--scan"]
+    data, seconds, shown = common.aot_train(topology, "hybrid", args)
     report, fit = data["report"], data["report"].get("memory_fit") or {}
     gib = lambda v: None if v is None else round(v / GIB, 2)  # noqa: E731
     row = {
@@ -112,7 +72,7 @@ def measure(size: str, topology: str, expert: int, batch: int) -> dict[str, Any]
         "dispatch_capacity": report["dispatch_capacity"],
         "comm_gib": gib(report["comm_bytes_per_device"]),
         "compile_seconds": round(seconds, 1),
-        "command": " ".join(["python", *cmd[1:7], *cmd[9:]]),
+        "command": " ".join(shown),
     }
     row["ici_ms"] = round((report.get("step_floor") or {}).get("ici_seconds", 0.0) * 1e3, 1)
     side = MAXTEXT.get((size, topology, batch))

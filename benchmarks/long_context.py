@@ -19,11 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,52 +61,14 @@ MAXTEXT: dict[tuple[str, str, int, int], dict[str, float | str]] = {
 }
 
 
-def command(row: tuple[str, str, str, int, int, tuple[str, ...]], out: Path) -> list[str]:
-    """The ``python -m dtensor.aot`` command line of one row."""
-    size, topology, strategy, batch, seq, extra = row
-    return [
-        sys.executable,
-        "-m",
-        "dtensor.aot",
-        "--topology",
-        topology,
-        "--strategy",
-        strategy,
-        "--json",
-        str(out),
-        "--",
-        "examples/train.py",
-        "--model-size",
-        size,
-        "--batch-size",
-        str(batch),
-        "--seq-len",
-        str(seq),
-        *extra,
-        "--mixed-precision",
-        "bf16",
-        "--remat",
-        "--scan",
-    ]
-
-
 def measure(row: tuple[str, str, str, int, int, tuple[str, ...]]) -> dict[str, Any]:
     """Compile one row in its own process; its figures from the JSON report."""
     size, topology, strategy, batch, seq, extra = row
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "report.json"
-        cmd = command(row, out)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd[1:])} failed:\n{done.stderr[-3000:]}")
-        data = json.loads(out.read_text())
-    report, fit = data["report"], data["report"].get("memory_fit") or {}
-    gib = lambda v: None if v is None else round(v / GIB, 2)  # noqa: E731
-    floor = report.get("step_floor") or {}
+    args = ["--model-size", size, "--batch-size", str(batch), "--seq-len", str(seq), *extra]
+    args += ["--mixed-precision", "bf16", "--remat", "--scan"]
+    data, seconds, shown = common.aot_train(topology, strategy, args)
+    report = data["report"]
+    figures = common.memory_figures(report)
     result = {
         "size": size,
         "topology": topology,
@@ -119,19 +76,11 @@ def measure(row: tuple[str, str, str, int, int, tuple[str, ...]]) -> dict[str, A
         "global_batch": batch,
         "seq_len": seq,
         "options": " ".join(extra),
-        "mesh": report["mesh"],
-        "peak_gib": gib(fit.get("bytes_per_chip", report["peak_bytes_per_device"])),
-        "hbm_gib": gib(fit.get("hbm_bytes_per_chip")),
-        "arguments_gib": gib(report["argument_bytes_per_device"]),
-        "temporaries_gib": gib(report["temp_bytes_per_device"]),
-        "fits": fit.get("fits"),
-        "floor_ms": round(report["step_time_floor_seconds"] * 1e3, 1),
-        "floor_bound": floor.get("bound"),
-        "mfu_ceiling": report.get("mfu_ceiling"),
-        "context_gib": gib(report.get("context_bytes_per_device", 0.0)),
-        "comm_gib": gib(report["comm_bytes_per_device"]),
+        **{k: figures[k] for k in _FIGURES},
+        "context_gib": round(report.get("context_bytes_per_device", 0.0) / GIB, 2),
+        "comm_gib": figures["comm_gib"],
         "compile_seconds": round(seconds, 1),
-        "command": " ".join(["python", *cmd[1:7], *cmd[9:]]),
+        "command": " ".join(shown),
     }
     side = MAXTEXT.get((size, topology, batch, seq))
     if side:
@@ -139,6 +88,19 @@ def measure(row: tuple[str, str, str, int, int, tuple[str, ...]]) -> dict[str, A
         result["ratio_to_maxtext"] = round(result["peak_gib"] / side["peak_gib"], 3)
         result["maxtext"] = side
     return result
+
+
+_FIGURES = (
+    "mesh",
+    "peak_gib",
+    "hbm_gib",
+    "arguments_gib",
+    "temporaries_gib",
+    "fits",
+    "floor_ms",
+    "floor_bound",
+    "mfu_ceiling",
+)
 
 
 def _key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -181,17 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
     # --rows re-measures those rows and keeps the others of the results file, in ROWS' order.
-    kept = json.loads(path.read_text())["rows"] if args.rows and path.exists() else []
-    order = [_key_of_spec(spec) for spec in ROWS]
-    rows = [r for r in kept if _key(r) in order]
-    for spec in picked:
-        rows = [r for r in rows if _key(r) != _key_of_spec(spec)] + [measure(spec)]
-        rows.sort(key=lambda r: order.index(_key(r)))
-        common.write_json(
-            "long_context",
-            {"benchmark": "long_context", "rows": rows, "environment": common.environment()},
-            args.out,
-        )
+    rows = common.measure_rows(
+        "long_context", ROWS, picked, measure, _key, _key_of_spec, args.out, merge=bool(args.rows)
+    )
     common.print_table(
         "Long context: compiled ahead of time",
         ["model", "topology", "mesh", "tokens", "options", "peak GiB", "MaxText GiB", "floor ms"],

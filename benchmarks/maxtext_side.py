@@ -91,6 +91,21 @@ ROWS: list[Row] = [
         libtpu=None,
         extra=("ici_expert_parallelism=8",),
     ),
+    # the pipeline row: the two slices as two stages, 2 microbatches (its own topology label,
+    # as rows are keyed, cached and merged by size and topology: row 4's would collide)
+    _row(
+        "llama2-70b",
+        "2 x v5p:4x4x2 pipeline",
+        "llama2-70b",
+        "v5p-64",
+        slices=2,
+        libtpu=None,
+        extra=(
+            "dcn_pipeline_parallelism=2",
+            "dcn_data_parallelism=1",
+            "num_pipeline_microbatches=2",
+        ),
+    ),
 ]
 
 #: The driver the MaxText venv runs: ``driver.py REPO OUT_DIR override...``.
@@ -465,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows",
         default="0,1,2,3,4",
-        help="indices into ROWS (default: the side-by-side table's; 5 is 405B, 6 Mixtral 8x7B)",
+        help="indices into ROWS (default: the side-by-side table's; 5 is 405B, 6 Mixtral 8x7B, "
+        "7 llama2-70b pipelined)",
     )
     parser.add_argument("--venv", type=Path, default=VENV)
     parser.add_argument("--cache", type=Path, default=CACHE)

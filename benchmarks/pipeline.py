@@ -126,18 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(path.read_text())["rows"]))
         return 0
     picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
-    # --rows re-measures those rows and keeps the others of the results file, in ROWS' order.
-    kept = json.loads(path.read_text())["rows"] if args.rows and path.exists() else []
-    order = [_key_of_spec(spec) for spec in ROWS]
-    rows = [r for r in kept if _key(r) in order]
-    for spec in picked:
-        rows = [r for r in rows if _key(r) != _key_of_spec(spec)] + [measure(spec)]
-        rows.sort(key=lambda r: order.index(_key(r)))
-        common.write_json(
-            "pipeline",
-            {"benchmark": "pipeline", "rows": rows, "environment": common.environment()},
-            out,
-        )
+    # --rows re-measures those rows and keeps the others of the results file.
+    rows = common.measure_rows(
+        "pipeline", ROWS, picked, measure, _key, _key_of_spec, out, merge=bool(args.rows)
+    )
     common.print_table(
         "Pipelines: compiled ahead of time",
         [

@@ -64,7 +64,7 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 
 def pipeline(
-    stage_fn: Callable[[Any, Any], Any],
+    stage_fn: Callable[..., Any],
     weights: Any,
     inputs: Any,
     *,

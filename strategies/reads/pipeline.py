@@ -69,7 +69,8 @@ class PipelinePlan:
     classes: tuple[type, ...]
     stages: int
     microbatches: int
-    repeats: int = 1
+    #: rounds of the ring (``None``: one layer per stage per round, known from the stack)
+    repeats: int | None = 1
     axis: str = "stage"
     batch_axes: tuple[str, ...] = ()
     remat: bool = False
@@ -85,13 +86,17 @@ class PipelinePlan:
 
     def run(self, stage_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
         self.runs += 1
+        repeats = self.repeats
+        if repeats is None:
+            layers = int(np.shape(jax.tree.leaves(weights)[0])[0])
+            repeats = max(1, layers // self.stages)
         return pipeline(
             stage_fn,
             weights,
             carry,
             stages=self.stages,
             microbatches=self.microbatches,
-            repeats=self.repeats,
+            repeats=repeats,
             axis=self.axis,
             batch_axes=self.batch_axes,
             remat=self.remat,
@@ -144,7 +149,7 @@ def _check_carry(carry: Any, plan: PipelinePlan, what: str) -> int:
     return b
 
 
-def _split_side(tree: Any, rows: int) -> tuple[Any, Any]:
+def _split_side(tree: Any, rows: int) -> tuple[Any, list[bool], list[Any], list[Any]]:
     """``tree``'s arrays of rank >= 2 with ``rows`` leading rows (cut into microbatches),
     and the rest (given to every layer as they are), as two trees with ``None`` holes."""
     leaves, treedef = jax.tree.flatten(tree)
