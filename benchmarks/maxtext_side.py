@@ -63,12 +63,13 @@ def _row(
     slices: int = 1,
     libtpu: str | None = "0.0.52",
     extra: tuple[str, ...] = (),
+    seq: int = 1024,
 ) -> Row:
     overrides = (f"model_name={model}", f"compile_topology={target}", "per_device_batch_size=1")
     return (
         size,
         topology,
-        (*overrides, "max_target_length=1024", f"compile_topology_num_slices={slices}", *extra),
+        (*overrides, f"max_target_length={seq}", f"compile_topology_num_slices={slices}", *extra),
         libtpu,
     )
 
@@ -105,6 +106,17 @@ ROWS: list[Row] = [
             "dcn_data_parallelism=1",
             "num_pipeline_microbatches=2",
         ),
+    ),
+    # Llama 3.1 8B at 32768 tokens, context 8 x fsdp 4 (its own topology label: row 6's
+    # would collide); per_device_batch_size=1, so 32 sequences over the 32 chips
+    _row(
+        "llama3.1-8b",
+        "v5p:4x4x2 context 32768",
+        "llama3.1-8b",
+        "v5p-64",
+        libtpu=None,
+        extra=("ici_context_parallelism=8", "ici_fsdp_parallelism=4"),
+        seq=32768,
     ),
 ]
 
@@ -298,14 +310,25 @@ def async_repeats(hlo_text: str) -> set[str]:
     return out
 
 
-def model_flops_of(size: str, topology: str, devices: int) -> float | None:
+def seq_of(overrides: tuple[str, ...] | list[str]) -> int:
+    """A row's sequence length: its ``max_target_length`` override (1024 without one).
+
+    Examples:
+        >>> seq_of(ROWS[0][2]), seq_of(("max_target_length=32768",)), seq_of(())
+        (1024, 32768, 1024)
+    """
+    lengths = [int(o.split("=", 1)[1]) for o in overrides if o.startswith("max_target_length=")]
+    return lengths[-1] if lengths else 1024
+
+
+def model_flops_of(size: str, topology: str, devices: int, seq: int = 1024) -> float | None:
     """One step's model FLOPs of our decoder at the row's shapes (MaxText's
-    ``per_device_batch_size=1``: one sequence of 1024 per chip), the count our rows'
+    ``per_device_batch_size=1``: one sequence of ``seq`` per chip), the count our rows'
     MFU ceilings use; ``None`` for a size our decoder lacks."""
     from examples.decoder import CONFIGS, model_flops
 
     cfg = CONFIGS.get(size)
-    return None if cfg is None else model_flops(cfg, devices, 1024)
+    return None if cfg is None else model_flops(cfg, devices, seq)
 
 
 def compile_row(row: Row, *, venv: Path, cache: Path, timeout: float) -> dict[str, Any]:
@@ -350,7 +373,7 @@ def result_row(row: Row, out: Path) -> dict[str, Any]:
     size, topology, overrides, _ = row
     record = json.loads((out / "compiled.json").read_text())
     devices = len(record["slices"])
-    ours = model_flops_of(size, topology, devices)
+    ours = model_flops_of(size, topology, devices, seq_of(overrides))
     theirs = record["maxtext_tflops_per_device"] * 1e12 * devices
     figures = analyse((out / "hlo.txt").read_text(), record, ours or theirs)
     return {
@@ -481,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         default="0,1,2,3,4",
         help="indices into ROWS (default: the side-by-side table's; 5 is 405B, 6 Mixtral 8x7B, "
-        "7 llama2-70b pipelined)",
+        "7 llama2-70b pipelined, 8 llama3.1-8b context-parallel at 32768)",
     )
     parser.add_argument("--venv", type=Path, default=VENV)
     parser.add_argument("--cache", type=Path, default=CACHE)

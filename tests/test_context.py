@@ -356,6 +356,13 @@ def test_long_context_benchmark_table_is_the_guide_s():
     assert f"{tiled['ratio_to_maxtext']:.2f}x" in guide
     assert longest["seq_len"] == 131072 and f"the same {longest['peak_gib']:.2f} GiB" in guide
     assert a100["fits"] and h100["fits"]
+    # MaxText's own compile of the 32768-token row (benchmarks.maxtext_side, row 8).
+    side = json.loads((root / "benchmarks" / "results" / "maxtext_side.json").read_text())
+    (mt,) = [r for r in side["rows"] if r["topology"] == "v5p:4x4x2 context 32768"]
+    assert round(mt["peak_bytes_per_chip"] / (1 << 30), 2) == tiled["maxtext_peak_gib"]
+    assert f"gives {mt['step_time_floor_seconds'] * 1e3:.0f} ms" in guide
+    assert f"ours with the vocabulary in 8 slices is {tiled['floor_ms']:.0f} ms" in guide
+    assert f"{tiled['floor_ms'] / (mt['step_time_floor_seconds'] * 1e3):.3f}x it" in guide
     assert f"needs {a100['peak_gib']:.2f} GiB per A100 80GB and {h100['peak_gib']:.2f} GiB" in guide
 
 

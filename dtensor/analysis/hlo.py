@@ -20,7 +20,10 @@ devices in row-major order. Each group is mapped back to mesh coordinates and
 
 Asynchronous pairs (``all-gather-start`` / ``all-gather-done``...) count once,
 with the shape of the ``-done``. Collectives inside a ``while`` loop count as
-many times as its ``known_trip_count`` (once when XLA does not know it).
+many times as its ``known_trip_count`` (once when XLA does not know it); one
+in a branch of a ``conditional`` whose name scope ends ``..._1_in_N_ticks``
+(:func:`dtensor.pipeline`'s hand-off between stages, taken one tick in ``N``)
+as ``1 / N`` of those.
 
 Multi-slice TPU programs (given ``slices=``, each device's slice index) are
 compiled per slice: replica groups use slice-local ids, and what crosses

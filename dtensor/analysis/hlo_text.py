@@ -315,21 +315,28 @@ def _trip_from_condition(comps: dict[str, list[Instr]], ins: Instr) -> int:
 
 def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, int]:
     """Executions of each computation per program run (while trip counts)."""
-    callers: dict[str, list[tuple[str, int]]] = {}
+    callers: dict[str, list[tuple[str, float]]] = {}
     for parent, instrs in comps.items():
         for ins in instrs:
             trip = 1
             if ins.opcode == "while":
                 m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', ins.rest)
                 trip = int(m.group(1)) if m else _trip_from_condition(comps, ins)
+            # A conditional taken one run in N (dtensor.pipeline's hand-off, its name
+            # scope ``..._1_in_N_ticks``): each branch runs 1/N as often as its caller.
+            taken = ins.opcode == "conditional" and re.search(
+                r'op_name="[^"]*_1_in_(\d+)_ticks', ins.rest
+            )
+            share = 1 / int(taken.group(1)) if taken else 1
             for key, callee in _CALLS.findall(ins.rest):
-                callers.setdefault(callee, []).append((parent, trip if key == "body" else 1))
+                f = trip if key == "body" else share if key.endswith("_computation") else 1
+                callers.setdefault(callee, []).append((parent, f))
             m = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)
             for callee in re.findall(r"%?([\w.\-]+)", m.group(1)) if m else ():
-                callers.setdefault(callee, []).append((parent, 1))
-    memo: dict[str, int] = {}
+                callers.setdefault(callee, []).append((parent, share))
+    memo: dict[str, float] = {}
 
-    def mult(name: str, depth: int = 0) -> int:
+    def mult(name: str, depth: int = 0) -> float:
         if name == entry or depth > 64:
             return 1
         if name not in memo:
@@ -337,4 +344,4 @@ def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, i
             memo[name] = sum(mult(p, depth + 1) * f for p, f in sites) if sites else 1
         return memo[name]
 
-    return {name: mult(name) for name in comps}
+    return {name: max(1, round(mult(name))) for name in comps}

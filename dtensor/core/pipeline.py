@@ -3,29 +3,32 @@
 :func:`pipeline` runs ``L`` layers (a stack: every weight with a leading layer
 dimension) on a batch cut into ``M`` microbatches. The layers are split over
 the ``S`` devices of the ``stage`` axis in ``R`` rounds (``repeats``): layer
-group ``g = r * S + s`` (``L / (R * S)`` consecutive layers) lives on stage
-``s``. Each iteration every stage runs its layer group on one microbatch
-(``jax.vmap`` over the stage dimension, partitioned over ``stage``), then the
-activations move one stage on with a collective permute over ``stage``
-(``jnp.roll`` of the stage-split array, which XLA lowers to ICI or DCN).
-Microbatch ``m`` of round ``r`` reaches stage ``s`` at iteration
-``r * M + m + s``; the program runs ``R * M + S - 1`` iterations, of which
-each stage idles ``S - 1``: the bubble fraction is
-``(S - 1) / (R * M + S - 1)`` (:func:`bubble_fraction`).
+group ``r * S + s`` (``g = L / (R * S)`` consecutive layers) lives on stage
+``s``. The program is one loop of ticks: each tick every stage applies one
+layer to the microbatch it holds (``jax.vmap`` over the stage dimension,
+partitioned over ``stage``); after a group's last layer the activations move
+one stage on with a collective permute over ``stage`` (``jnp.roll`` of the
+stage-split array, which XLA lowers to ICI or DCN). Microbatch ``m`` of round
+``r`` enters stage ``s`` at tick ``(r * M + m + s) * g``; the loop runs
+``(R * M + S - 1) * g`` ticks, of which each stage idles ``(S - 1) * g``: the
+bubble fraction is ``(S - 1) / (R * M + S - 1)`` (:func:`bubble_fraction`).
+Each tick reads its layer's weights from the stage's stack, so the backward
+pass accumulates their gradients in place, in one buffer per weight.
 
 Schedules (``repeats``):
 
-- ``R = 1``: GPipe. Each stage holds ``L / S`` consecutive layers. The
-  backward pass (JAX's transpose of the iteration loop) runs every
-  microbatch's backward after every forward, so the activations of all ``M``
-  microbatches are live at its start: with ``remat=True`` one stage input per
-  iteration (``(M + S - 1)`` microbatch activations per device) plus what the
-  layers inside keep.
+- ``R = 1``: GPipe. Each stage holds ``L / S`` consecutive layers (the stored
+  ``[L]`` stack split over ``stage``, reshaped: no weights move). The backward
+  pass (JAX's transpose of the loop) runs every microbatch's backward after
+  every forward, so the activations of all ``M`` microbatches are live at its
+  start: what each tick's layer keeps (its input alone when the layer is
+  rematerialised), ``(M + S - 1) * g`` ticks of it per device.
 - ``R > 1``: circular (interleaved). Each stage holds ``R`` groups of layers
   ``S`` groups apart, and a microbatch goes round the ring ``R`` times; the
   bubble shrinks ``R``-fold for ``R`` times the permutes. It needs
   ``M >= S`` (a microbatch comes back to stage 0 after its last round's
-  stage ``S - 1``, and waits there for ``M - S + 1`` iterations).
+  stage ``S - 1``, and waits there for ``(M - S) * g + 1`` ticks); a stored
+  ``[L]`` stack is re-stacked by stage for it (an all-to-all over ``stage``).
 
 Stages that idle compute on stale values whose results are never used, so
 their FLOPs are in the compiled program (a step-time floor from it includes
@@ -64,7 +67,7 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 
 def pipeline(
-    stage_fn: Callable[..., Any],
+    layer_fn: Callable[..., Any],
     weights: Any,
     inputs: Any,
     *,
@@ -80,11 +83,10 @@ def pipeline(
     """``inputs`` through ``L`` stacked layers, pipelined over the ``axis`` mesh axis.
 
     Args:
-        stage_fn: ``stage_fn(group, x) -> x`` (``stage_fn(group, x, side)``
-            with ``side``): a group of consecutive layers
-            (``weights`` with their leading dimension ``L / (repeats *
-            stages)``) applied to one microbatch ``x`` (a pytree shaped like
-            ``inputs`` with ``B / M`` rows).
+        layer_fn: ``layer_fn(layer, x) -> x`` (``layer_fn(layer, x, side)``
+            with ``side``): one layer (``weights`` at one index of their
+            leading dimension) applied to one microbatch ``x`` (a pytree
+            shaped like ``inputs`` with ``B / M`` rows).
         weights: a pytree of arrays with a leading layer dimension ``L``
             (layer ``l`` at index ``l``); other arrays the layers take one of
             per layer (a rotary base per layer, say) may be part of it.
@@ -98,14 +100,13 @@ def pipeline(
         axis: the mesh axis of the stages.
         batch_axes: mesh axes the microbatch rows are split over (constrained
             through the loop).
-        remat: recompute each stage's forward in the backward pass
-            (``jax.checkpoint`` with ``policy``), keeping one stage input per
-            iteration.
+        remat: recompute each layer's forward in the backward pass
+            (``jax.checkpoint`` with ``policy``), keeping its input alone.
         policy: a ``jax.checkpoint`` policy for ``remat``.
         side: a pytree of arrays with the leading batch dimension ``B`` that the
             layers read but do not change (an attention mask, segment ids):
             cut into the same microbatches, and given to each stage for the
-            microbatch it runs (``stage_fn(group, x, side)``) without moving
+            microbatch it runs (``layer_fn(layer, x, side)``) without moving
             between stages.
 
     Returns:
@@ -117,7 +118,7 @@ def pipeline(
         >>> mesh = dtensor.create_mesh([("stage", 4), ("data", 2)])
         >>> w = jnp.arange(8.0)  # 8 layers, each adds its weight
         >>> x = jnp.zeros((16, 3))
-        >>> add = lambda group, x: x + group.sum()
+        >>> add = lambda layer, x: x + layer
         >>> with mesh:
         ...     y = jax.jit(lambda w, x: pipeline(add, w, x, stages=4, microbatches=4))(w, x)
         >>> float(y[0, 0]), float(w.sum())
@@ -183,7 +184,7 @@ def pipeline(
 
     # Each stage gets its own (stage-split) view of the microbatches, so the gradient of
     # what stage 0 reads is summed over ``axis`` once after the loop, not at every
-    # iteration (as a read of one array shared by the vmapped stages would be).
+    # tick (as a read of one array shared by the vmapped stages would be).
     def per_stage(x: Any) -> Any:
         x = to_micro(x)
         return constrain(jnp.broadcast_to(x, (S,) + np.shape(x)), (axis, None, batch_entry))
@@ -191,35 +192,53 @@ def pipeline(
     micro = jax.tree.map(per_stage, inputs)
     micro_side = jax.tree.map(per_stage, side)
 
-    def run(group: Any, r: Any, x: Any, aside: Any) -> Any:
-        group = jax.tree.map(lambda w: w[0] if R == 1 else w[r], group)
-        return stage_fn(group, x) if side is None else stage_fn(group, x, aside)
+    def run(group: Any, r: Any, j: Any, m: Any, x: Any, micro_side: Any) -> Any:
+        # The layer's weights and side inputs are read inside (so with ``remat`` a tick
+        # keeps its input alone, not a copy of its layer's weights).
+        layer = jax.tree.map(lambda w: w[r, j], group)
+        if side is None:
+            return layer_fn(layer, x)
+        return layer_fn(layer, x, jax.tree.map(lambda a: a[m], micro_side))
 
     if remat:
         run = jax.checkpoint(run, policy=policy, prevent_cse=False)
 
+    def blend(pairs: list[tuple[Any, Any]]) -> Any:
+        # sum(w * x) with 0/1 weights, one of them 1: the chosen value exactly. A select
+        # would do the same, but under vmap its backward keeps a full-size mask per tick.
+        return sum(w.astype(x.dtype) * x for w, x in pairs)
+
     def store(buf: Any, got: Any, s: Any, t: Any) -> Any:
-        # What came round from stage S - 1 (its output of iteration t - 1, for k = t - S)
-        # waits in stage 0's buffer until its next round, or the end.
-        k = t - S
-        keep = (s == 0) & (k >= 0)
-        m = jnp.mod(k, M)
-        return jax.tree.map(lambda b, x: b.at[m].set(jnp.where(keep, x, b[m])), buf, got)
+        # What came round from stage S - 1 to stage 0 (its output of tick t - 1, the last
+        # layer of its item k = t - 1 - (S - 1) g) waits in stage 0's buffer until its
+        # next round, or the end.
+        k = t - 1 - (S - 1) * g
+        keep = (s == 0) & (jnp.mod(t, g) == 0) & (k >= 0)
+        m = jnp.mod(k // g, M)
+        return jax.tree.map(lambda b, x: b.at[m].set(blend([(keep, x), (~keep, b[m])])), buf, got)
 
     def one_stage(
         group: Any, got: Any, buf: Any, micro: Any, micro_side: Any, s: Any, t: Any
     ) -> tuple[Any, Any]:
-        k = t - s
-        r = jnp.clip(k // M, 0, R - 1)
-        m = jnp.mod(k, M)
+        # Stage s works through its items (round r, microbatch m), g layers each: item
+        # k // g of k = t - s g, its layer j = k mod g (the same j on every stage).
+        k = t - s * g
+        item, j = k // g, jnp.mod(k, g)
+        r = jnp.clip(item // M, 0, R - 1)
+        m = jnp.mod(item, M)
         buf = store(buf, got, s, t)
-        first = jax.tree.map(lambda x: x[m], micro)
-        again = jax.tree.map(lambda b: b[m], buf)
+        # Stage 0 starts an item on a microbatch of the batch (round 0) or on what came
+        # round from stage S - 1 (later rounds); every other input is what it holds.
+        starts = (s == 0) & (j == 0)
         x = jax.tree.map(
-            lambda a, b, c: jnp.where(s == 0, jnp.where(r == 0, a, b), c), first, again, got
+            lambda a, b, c: blend(
+                [(starts & (r == 0), a[m]), (starts & (r > 0), b[m]), (~starts, c)]
+            ),
+            micro,
+            buf,
+            got,
         )
-        aside = jax.tree.map(lambda x: x[m], micro_side)
-        return run(group, r, x, aside), buf
+        return run(group, r, j, m, x, micro_side), buf
 
     vmapped = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name=axis)
     ids = jnp.arange(S)
@@ -231,16 +250,26 @@ def pipeline(
     got0 = jax.tree.map(lambda x: staged(x, 0), zeros)
     buf0 = jax.tree.map(lambda x: staged(jnp.zeros(np.shape(x), x.dtype), 1), micro)
 
-    def iteration(carry: Any, t: Any) -> tuple[Any, None]:
+    def pass_on(out: Any) -> Any:
+        return jax.tree.map(lambda y: staged(jnp.roll(y, 1, axis=0), 0), out)
+
+    def tick(carry: Any, t: Any) -> tuple[Any, None]:
         got, buf = carry
         out, buf = vmapped(stacked, got, buf, micro, micro_side, ids, t)
-        got = jax.tree.map(lambda y: staged(jnp.roll(y, 1, axis=0), 0), out)
+        # After each item's last layer the activations move one stage on (a collective
+        # permute over ``axis``); between a group's layers they stay where they are.
+        if g == 1:
+            got = pass_on(out)
+        else:
+            # (the scope tells explain the branch is taken one tick in g)
+            with jax.named_scope(f"hand_off_1_in_{g}_ticks"):
+                got = jax.lax.cond(jnp.mod(t, g) == g - 1, pass_on, lambda o: o, out)
         buf = jax.tree.map(lambda b: staged(b, 1), buf)
         return (got, buf), None
 
-    steps = R * M + S - 1
+    steps = (R * M + S - 1) * g
     with jax.named_scope(PIPELINE_SCOPE):
-        (got, buf), _ = jax.lax.scan(iteration, (got0, buf0), jnp.arange(steps))
+        (got, buf), _ = jax.lax.scan(tick, (got0, buf0), jnp.arange(steps))
         buf = jax.vmap(store, in_axes=(0, 0, 0, None), spmd_axis_name=axis)(
             buf, got, ids, jnp.asarray(steps)
         )

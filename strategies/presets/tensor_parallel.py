@@ -632,6 +632,8 @@ class HybridStrategy(Strategy):
             repeats=self._rounds(),
             axis=_S,
             batch_axes=self.batch_axes,
+            # With remat=: each tick recomputed whole (its layer's weights read inside it,
+            # so it keeps its input alone); the blocks' own remat is skipped there.
             remat=bool(self.remat),
             policy=None,
             preset=type(self).__name__,

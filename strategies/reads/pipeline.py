@@ -84,14 +84,14 @@ class PipelinePlan:
         base = swaps.swapped_base(type(node))
         return isinstance(base, type) and issubclass(base, self.classes)
 
-    def run(self, stage_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
+    def run(self, layer_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
         self.runs += 1
         repeats = self.repeats
         if repeats is None:
             layers = int(np.shape(jax.tree.leaves(weights)[0])[0])
             repeats = max(1, layers // self.stages)
         return pipeline(
-            stage_fn,
+            layer_fn,
             weights,
             carry,
             stages=self.stages,
@@ -103,6 +103,12 @@ class PipelinePlan:
             policy=self.policy,
             side=side,
         )
+
+
+def _layer_call(plan: PipelinePlan) -> Any:
+    """Around one layer's call in a tick: the tick is rematerialised whole (``plan.remat``),
+    so the blocks' own ``remat=`` is skipped inside it."""
+    return swaps.already_rematerialised() if plan.remat else contextlib.nullcontext()
 
 
 def _active() -> PipelinePlan | None:
@@ -231,19 +237,20 @@ def _scan_stages(
             weights[i] = args[i]
     broadcast = {i: _split_side(args[i], rows) for i, ax in enumerate(axes) if ax is None}
     sides = {i: _side_of(s) for i, s in broadcast.items()}
-    inner_kwargs = {k: v for k, v in kwargs.items() if k != "length"}
-    plain = _ORIGINAL_SCAN(f, **inner_kwargs)
 
-    def stage_fn(group: dict[int, Any], x: Any, side: dict[int, Any]) -> Any:
+    def layer_fn(layer: dict[int, Any], x: Any, side: dict[int, Any]) -> Any:
+        # One layer: f as nnx.scan's body calls it, on this layer's slice of each
+        # in_axes=0 argument (a stacked module merged from its layer's variables).
         new = list(args)
         for i, split in broadcast.items():
             new[i] = _join(split, side[i])
-        for i, w in group.items():
+        for i, w in layer.items():
             new[i] = nnx.merge(graphdefs[i], w) if i in graphdefs else w
         new[ci] = x
-        return plain(*new)
+        with _layer_call(plan):
+            return f(*new)
 
-    return plan.run(stage_fn, weights, args[ci], sides)
+    return plan.run(layer_fn, weights, args[ci], sides)
 
 
 # ------------------------------------------------------------------ lists of blocks
@@ -401,13 +408,9 @@ def _run_list(
     weights = jax.tree.unflatten(treedef, [jnp.stack(vs) for vs in zip(*values, strict=True)])
     split = _split_side((args, kwargs), rows)
 
-    def stage_fn(group: Any, x: Any, side: Any) -> Any:
+    def layer_fn(layer: Any, x: Any, side: Any) -> Any:
         a, kw = _join(split, side)
+        with _layer_call(plan):
+            return inner(nnx.merge(graphdef, layer), x, *a, **kw)
 
-        def body(x: Any, layer: Any) -> tuple[Any, None]:
-            return inner(nnx.merge(graphdef, layer), x, *a, **kw), None
-
-        x, _ = jax.lax.scan(body, x, group)
-        return x
-
-    return plan.run(stage_fn, weights, x, _side_of(split))
+    return plan.run(layer_fn, weights, x, _side_of(split))

@@ -21,8 +21,10 @@ the step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -202,7 +204,7 @@ def _call_class(
     bases = (base, _EmbedLookup) if own else (base,)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not remat:
+        if not remat or getattr(_local, "rematerialised", False):
             return inner(self, *args, **kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs))
         first = next((x for x in leaves if _is_array(x) and np.ndim(x) >= 2), None)
@@ -225,6 +227,21 @@ def _call_class(
         return out
 
     return type(base.__name__, bases, {"__call__": __call__, _BASE: base})
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def already_rematerialised() -> Iterator[None]:
+    """Within the block (a trace), calls of swapped modules skip their own ``nnx.remat``:
+    the caller recomputes the whole computation already (a pipeline's tick)."""
+    saved = getattr(_local, "rematerialised", False)
+    _local.rematerialised = True
+    try:
+        yield
+    finally:
+        _local.rematerialised = saved
 
 
 def swap_call(
