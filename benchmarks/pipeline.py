@@ -29,6 +29,15 @@ from . import common
 ROWS: list[tuple[str, str, int, int, tuple[str, ...]]] = [
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--stage", "2", "--microbatches", "2")),
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--stage", "2", "--microbatches", "4")),
+    # MaxText's default schedule (one layer per stage per round, 40 rounds) on our stored
+    # [layers] stack: re-stacked by stage over DCN in every step.
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        64,
+        ("--stage", "2", "--microbatches", "2", "--schedule", "circular"),
+    ),
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--across-slices", "data")),
     # 8 hosts of 8 H100s: stage 0 on hosts 0-3, stage 1 on hosts 4-7 (InfiniBand between).
     ("llama2-70b", "h100:8x8", 1, 64, ("--stage", "2", "--microbatches", "2")),

@@ -162,6 +162,19 @@ EXTENDED.update(
     }
 )
 
+# Six parallelisms together: make test keeps the scanned MoE decoder in stages, context in
+# stages scanned (gather) and as a list (ring), and all six axes on the scanned decoder.
+EXTENDED.update(
+    {
+        "tests/test_compose.py::test_moe_decoder_trains_in_stages_as_on_one_device[list]": "variant",
+        "tests/test_compose.py::test_decoder_with_context_trains_in_stages_as_on_one_device"
+        "[scan-ring]": "variant",
+        "tests/test_compose.py::test_decoder_with_context_trains_in_stages_as_on_one_device"
+        "[list-gather]": "variant",
+        "tests/test_compose.py::test_all_six_axes_at_once_train_as_on_one_device[list]": "variant",
+    }
+)
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marker set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -446,3 +446,42 @@ def test_pipeline_benchmark_table_is_the_guide_s():
         assert f"{mt['step_time_floor_seconds'] * 1e3:.0f} ms" in text
         assert f"{two['floor_ms']:.0f} ms" in text
     assert f"{h100['peak_gib']:.2f} GiB per GPU" in readme
+
+
+# ------------------------------------------------- scalars the layers add to (an MoE loss)
+def test_pipeline_accumulates_scalars_per_microbatch_and_averages_them():
+    """A scalar in the carry is each microbatch's own accumulator; the result is their mean:
+    the whole batch's value for a sum of per-layer means, each microbatch's for a product."""
+    mesh = dtensor.create_mesh([("stage", 4), ("data", 2)])
+    w, x = _weights(), jax.random.normal(jax.random.key(1), (16, 16))
+
+    def layer(w, carry):
+        x, (linear, product) = carry
+        y = _layer(w, x)
+        return y, (linear + (y**2).mean(), product + y.mean() * (y**2).mean())
+
+    def run_all(w, x):
+        return jax.lax.scan(lambda c, lw: (layer(lw, c), None), (x, (0.0, 0.0)), w)[0]
+
+    def loss(w, x, M=4):
+        zero = jnp.zeros((), jnp.float32)
+        y, (linear, product) = pipeline(
+            layer, w, (x, (zero, zero)), stages=4, microbatches=M, batch_axes=("data",)
+        )
+        return (y**2).sum() + linear + 3 * product
+
+    def reference(w, x, M=4):
+        y, (linear, _) = run_all(w, x)  # the whole batch's sum of means
+        product = jnp.mean(jnp.stack([run_all(w, x[m::M])[1][1] for m in range(M)]))
+        return (y**2).sum() + linear + 3 * product
+
+    with mesh:
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(_by_stage(w, mesh), x)
+    want = jax.value_and_grad(reference, argnums=(0, 1))(w, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    _close(got[1], want[1])
+    # The product's mean over microbatches is not the whole batch's (what M changes), so
+    # the reference above tells the two apart.
+    whole = float(run_all(w, x)[1][1])
+    micro = float(jnp.mean(jnp.stack([run_all(w, x[m::4])[1][1] for m in range(4)])))
+    assert abs(whole - micro) > 1e-3 * abs(whole)

@@ -93,7 +93,14 @@ def pipeline(
         inputs: a pytree of arrays with a leading batch dimension ``B``
             (a multiple of ``microbatches``); microbatch ``m`` is rows
             ``m, m + M, m + 2M, ...``, so each stays split over the batch
-            axes as ``inputs`` are.
+            axes as ``inputs`` are. Scalars among them are accumulators (a
+            loss the layers add to, as an MoE block's load-balancing loss):
+            each microbatch carries its own copy through the layers, and the
+            result is their mean over the microbatches (floating) or
+            microbatch 0's (others). For a sum of per-layer means over the
+            batch's rows that is the whole batch's value; for a product of
+            two such means (the load-balancing loss) it is the mean of each
+            microbatch's, as under gradient accumulation.
         stages: ``S``, the size of the ``axis`` mesh axis.
         microbatches: ``M``.
         repeats: ``R`` rounds of the ring (1: GPipe; more: circular).
@@ -126,7 +133,7 @@ def pipeline(
     """
     S, M, R = int(stages), int(microbatches), int(repeats)
     layers = {int(np.shape(a)[0]) for a in jax.tree.leaves(weights)}
-    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves((inputs, side))}
+    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves((inputs, side)) if np.ndim(a)}
     if len(layers) != 1:
         raise ValueError(
             f"pipeline: the weights' leading (layer) dimensions differ ({sorted(layers)}); "
@@ -136,6 +143,11 @@ def pipeline(
         raise ValueError(
             f"pipeline: the inputs' leading (batch) dimensions differ ({sorted(rows)}); "
             "every input a layer carries has one row per example."
+        )
+    if not rows:
+        raise ValueError(
+            "pipeline: no input has a leading (batch) dimension to cut into microbatches "
+            "(only scalars); pass the activations the layers carry."
         )
     (L,), (B,) = layers, rows
     if L % (S * R):
@@ -160,6 +172,7 @@ def pipeline(
     batch_entry = None if not batch else batch[0] if len(batch) == 1 else batch
 
     def constrain(x: Any, lead: tuple[Any, ...]) -> Any:
+        lead = lead[: np.ndim(x)]  # (an accumulator has no batch dimension to split)
         spec = P(*lead, *([_U] * (np.ndim(x) - len(lead))))
         return jax.lax.with_sharding_constraint(x, spec)
 
@@ -173,12 +186,19 @@ def pipeline(
 
     stacked = jax.tree.map(by_stage, weights)
 
-    # Inputs [B, ...] -> [M, B / M, ...]: microbatch m = rows m, m + M, ...
+    # Inputs [B, ...] -> [M, B / M, ...]: microbatch m = rows m, m + M, ...; an
+    # accumulator (a scalar) -> [M], a copy for each microbatch.
     def to_micro(x: Any) -> Any:
+        if not np.ndim(x):
+            return jnp.broadcast_to(x, (M,))
         x = jnp.reshape(x, (B // M, M) + np.shape(x)[1:])
         return constrain(jnp.swapaxes(x, 0, 1), (None, batch_entry))
 
     def from_micro(x: Any) -> Any:
+        if np.ndim(x) == 1:  # an accumulator's M copies
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                return jnp.mean(x, axis=0)
+            return x[0]
         x = jnp.swapaxes(x, 0, 1)
         return jnp.reshape(x, (B,) + np.shape(x)[2:])
 

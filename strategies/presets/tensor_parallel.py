@@ -180,8 +180,12 @@ class HybridStrategy(Strategy):
             list's blocks are FSDP-split over ``stage`` and ``fsdp`` together
             and re-stacked by stage in each step (an all-to-all over
             ``stage``). Everything else (embeddings, final norm, head) is
-            replicated over ``stage`` and computed on every stage. It needs
-            ``gather_at_read`` off (``None`` then means ``False``).
+            replicated over ``stage`` and computed on every stage. Scalars
+            the blocks add to (an MoE block's load-balancing loss) are
+            accumulated per microbatch and averaged. It composes with every
+            other axis (``data``, ``fsdp``, ``tensor``, ``context``,
+            ``expert`` inside each stage). It needs ``gather_at_read`` off
+            (``None`` then means ``False``).
         microbatches: how many microbatches a step's batch is cut into (default:
             ``stage``); each must still split over the batch axes.
         schedule: ``"gpipe"`` (each stage ``L / S`` consecutive layers, every

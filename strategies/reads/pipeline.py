@@ -19,7 +19,12 @@ traces, in either way a Flax model repeats its blocks:
 In both, a block's first argument (the carry) and every other argument array
 of rank 2 or more whose leading dimension is the batch's are cut into
 microbatches; other arguments (positions, say) are given to every layer as
-they are. What pipelining needs from the model: the blocks called one after
+they are. Scalars the layers add to — in a scanned stack's carry, or returned
+by a listed block beside its output as ``(output, loss)``, as an MoE block's
+load-balancing loss — are accumulated per microbatch and averaged over the
+microbatches (:func:`dtensor.core.pipeline.pipeline`); a list's first call
+returns their total over the blocks and each later call zeros, so a model
+that adds them up gets the total once. What pipelining needs from the model: the blocks called one after
 another, each one's output the next one's input and nothing in between;
 blocks whose calls change no variables (no batch statistics, no dropout
 RNG); ``nnx.scan`` looked up as ``nnx.scan`` when the step runs (not bound
@@ -78,7 +83,9 @@ class PipelinePlan:
     preset: str = "HybridStrategy"
     #: how many stacks and lists were pipelined in this trace (explain reports it)
     runs: int = 0
-    chains: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+    #: each list's next block due, the previous block's output and the zeros its later
+    #: calls return beside it (``None``: the blocks return their output alone)
+    chains: dict[str, tuple[int, Any, Any]] = dataclasses.field(default_factory=dict)
 
     def matches(self, node: Any) -> bool:
         base = swaps.swapped_base(type(node))
@@ -137,13 +144,13 @@ def _check_carry(carry: Any, plan: PipelinePlan, what: str) -> int:
     leaves = jax.tree.leaves(carry)
     shapes = [np.shape(x) for x in leaves]
     rows = {s[0] for s in shapes if len(s)}
-    if not leaves or len(rows) != 1 or any(len(s) == 0 for s in shapes):
+    if len(rows) != 1:
         raise PipelineError(
             f"{plan.preset}(stage={plan.stages}): {what} carries {shapes}, but a pipelined "
             "carry must be arrays with the same leading (batch) dimension, cut into "
-            f"{plan.microbatches} microbatches; a scalar accumulated across layers (an MoE "
-            "load-balancing loss, say) has no rows to cut. Return such values per layer "
-            "instead, or run this model without stage=."
+            f"{plan.microbatches} microbatches, and scalars the layers add to (an MoE "
+            "load-balancing loss, say: accumulated per microbatch and averaged). Carry the "
+            "batch's activations with one leading dimension, or run this model without stage=."
         )
     (b,) = rows
     if b % plan.microbatches:
@@ -300,10 +307,10 @@ def _pipeline_class(cls: type) -> type:
         key, index, count = tag
         if index == 0:
             blocks = _siblings(self, key, count, plan)
-            out = _run_list(blocks, inner, x, args, kwargs, plan)
-            plan.chains[key] = (1, out)
+            out, zeros = _run_list(blocks, inner, x, args, kwargs, plan)
+            plan.chains[key] = (1, out if zeros is None else out[0], zeros)
             return out
-        want, last = plan.chains.get(key, (0, None))
+        want, last, zeros = plan.chains.get(key, (0, None, None))
         if want != index or not _same(x, last):
             plan.chains.pop(key, None)
             raise PipelineError(
@@ -318,10 +325,11 @@ def _pipeline_class(cls: type) -> type:
                 + ". Call the blocks one after another with nothing in between, or leave "
                 "them out of pipeline=."
             )
-        plan.chains[key] = (index + 1, x)
+        plan.chains[key] = (index + 1, x, zeros)
         if index + 1 == count:
             plan.chains.pop(key, None)
-        return x
+        # (the first call returned every block's scalars, added up: zeros here)
+        return x if zeros is None else (x, *zeros)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, swaps._BASE: swaps.swapped_base(cls)})
 
@@ -386,7 +394,11 @@ def _siblings(block: Any, key: str, count: int, plan: PipelinePlan) -> list[Any]
 
 def _run_list(
     blocks: list[Any], inner: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Any
-) -> Any:
+) -> tuple[Any, Any]:
+    """All ``blocks`` in stages on ``x``: the last one's output and ``None``; or, for blocks
+    returning ``(output, scalars...)`` (an MoE block's loss beside its output), ``(output,
+    scalars added up over the blocks...)`` and zeros of the scalars (what each later block's
+    call returns beside its input, so a model adding them up gets the total once)."""
     key = "the list of blocks"
     rows = _check_carry(x, plan, f"{type(blocks[0]).__name__}'s call")
     splits = [nnx.split(b) for b in blocks]
@@ -407,10 +419,35 @@ def _run_list(
     treedef = jax.tree.structure(first)
     weights = jax.tree.unflatten(treedef, [jnp.stack(vs) for vs in zip(*values, strict=True)])
     split = _split_side((args, kwargs), rows)
+    sides = _side_of(split)
 
-    def layer_fn(layer: Any, x: Any, side: Any) -> Any:
+    def call(layer: Any, x: Any, side: Any) -> Any:
         a, kw = _join(split, side)
         with _layer_call(plan):
             return inner(nnx.merge(graphdef, layer), x, *a, **kw)
 
-    return plan.run(layer_fn, weights, x, _side_of(split))
+    shape = jax.eval_shape(call, jax.tree.map(lambda w: w[0], weights), x, sides)
+    want = jax.tree.structure(x)
+    if jax.tree.structure(shape) == want:
+        return plan.run(call, weights, x, sides), None
+    extras = shape[1:] if isinstance(shape, tuple) and len(shape) > 1 else None
+    if (
+        extras is None
+        or jax.tree.structure(shape[0]) != want
+        or any(np.ndim(e) for e in jax.tree.leaves(extras))
+    ):
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}): {type(blocks[0]).__name__}'s call returns "
+            f"{jax.tree.map(lambda a: a.shape, shape)} for an input of "
+            f"{jax.tree.map(np.shape, x)}; a pipelined block returns what the next block "
+            "takes, or a tuple of that and scalars the model adds up (an MoE loss)."
+        )
+
+    def layer_fn(layer: Any, carry: Any, side: Any) -> Any:
+        x, acc = carry
+        y, *more = call(layer, x, side)
+        return y, jax.tree.map(jnp.add, acc, tuple(more))
+
+    zeros = jax.tree.map(lambda e: jnp.zeros(e.shape, e.dtype), extras)
+    y, total = plan.run(layer_fn, weights, (x, zeros), sides)
+    return (y, *total), zeros
