@@ -292,7 +292,7 @@ def explain(
         for c in collectives
         if c.kind == "all-to-all" and "expert" in c.mesh_axes
     )
-    context = sum(c.total_bytes_per_device for c in collectives if CONTEXT_SCOPE in c.op_name)
+    context = sum(c.total_bytes_per_device for c in _context_exchange(collectives))
     permutes = [c for c in collectives if c.kind == "collective-permute" and "stage" in c.mesh_axes]
     by_network: dict[str, float] = {}
     for c in permutes:
@@ -520,3 +520,21 @@ def _variables(
 def _mem(mem: Any, field: str) -> int | None:
     value = getattr(mem, field, None) if mem is not None else None
     return None if value is None else int(value)
+
+
+def _context_exchange(collectives: Sequence[Collective]) -> list[Collective]:
+    """What :func:`dtensor.context_attention` moves over ``context``: the collectives under
+    its name scope, and the K/V gradients' exchange that libtpu lowers (the gathers'
+    ``psum_scatter``) to an all-reduce of the gathered K/V over ``context`` alone, without
+    the scope: found by the gathered shape."""
+    scoped = [c for c in collectives if CONTEXT_SCOPE in c.op_name]
+    gathered = {(tuple(c.shape), c.dtype) for c in scoped if c.kind == "all-gather"}
+    unscoped = [
+        c
+        for c in collectives
+        if CONTEXT_SCOPE not in c.op_name
+        and c.kind == "all-reduce"
+        and tuple(c.mesh_axes) == ("context",)
+        and (tuple(c.shape), c.dtype) in gathered
+    ]
+    return scoped + unscoped

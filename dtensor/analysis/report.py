@@ -103,7 +103,9 @@ class Report:
     ``context_bytes_per_device``: what :func:`dtensor.context_attention` moves
     over the ``context`` axis (its K/V all-gathers or ring permutes and the
     load-balancing permutes, forward and backward: the collectives under its
-    name scope), part of ``comm_bytes_per_device`` (0 without a context axis).
+    name scope, and the K/V gradients' all-reduce over ``context`` that
+    libtpu makes of their reduce-scatter without the scope), part of
+    ``comm_bytes_per_device`` (0 without a context axis).
     A pipeline over a ``stage`` axis (:func:`dtensor.core.pipeline.pipeline`):
     ``stage_bytes_per_device`` the collective permutes over ``stage`` (the
     activations passed from stage to stage, forward and backward),
