@@ -430,10 +430,11 @@ def _run_list(
     want = jax.tree.structure(x)
     if jax.tree.structure(shape) == want:
         return plan.run(call, weights, x, sides), None
-    extras = shape[1:] if isinstance(shape, tuple) and len(shape) > 1 else None
+    parts: list[Any] = list(shape) if isinstance(shape, tuple) else []
+    extras = tuple(parts[1:]) if len(parts) > 1 else None
     if (
         extras is None
-        or jax.tree.structure(shape[0]) != want
+        or jax.tree.structure(parts[0]) != want
         or any(np.ndim(e) for e in jax.tree.leaves(extras))
     ):
         raise PipelineError(
