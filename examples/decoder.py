@@ -86,7 +86,8 @@ class DecoderConfig:
     experts_per_token: int = 2
     aux_loss_weight: float = 0.01
     #: ``"xla"``: attention as einsums (float32 scores of ``[batch, heads, seq, seq]``);
-    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept);
+    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept; by
+    #: :func:`dtensor.context_attention`, with separate dq and dk/dv backward kernels);
     #: ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs (``jax.nn.dot_product_attention(...,
     #: implementation="cudnn")``; no scores kept). Under a ``context`` mesh axis attention is
     #: :func:`dtensor.context_attention` (splash in its gather mode; else XLA per device).
@@ -332,10 +333,10 @@ class Attention(nnx.Module):
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, group, hd) * (hd**-0.5)
-        if _context_size() > 1:  # the sequence split over a ``context`` mesh axis
+        splash = cfg.attention == "splash" and window is None
+        if splash or _context_size() > 1:  # (a ``context`` axis: the sequence split over it)
             import dtensor
 
-            splash = cfg.attention == "splash" and window is None
             ctx = dtensor.context_attention(
                 q.reshape(b, s, cfg.heads, hd),
                 k,
@@ -345,9 +346,6 @@ class Attention(nnx.Module):
                 scale=1.0,
                 implementation="splash" if splash else "xla",
             )
-            return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
-        if cfg.attention == "splash" and window is None:
-            ctx = splash_attention(q, k, v).reshape(b, s, cfg.heads, hd)
             return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
         if cfg.attention == "cudnn" and window is None:  # query head i reads KV head i // group
             ctx = jax.nn.dot_product_attention(
@@ -378,49 +376,6 @@ def _context_size() -> int:
         return mesh.shape.get("context", 1)
     abstract = jax.sharding.get_abstract_mesh()
     return 1 if abstract.empty else dict(abstract.shape).get("context", 1)
-
-
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention by the Pallas splash kernel (TPU only): ``q`` of
-    ``(batch, seq, kv_heads, group, head_dim)``, already scaled, ``k``/``v`` of ``(batch,
-    seq, kv_heads, head_dim)``; returns ``q``'s shape. One MQA kernel per KV head (vmapped
-    over the batch and the KV heads), in a ``jax.shard_map`` over the mesh axes the batch
-    is split over (a Pallas kernel is not partitioned by XLA)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-    from jax.sharding import PartitionSpec as P
-
-    import dtensor
-
-    b, s, _, group, _ = q.shape
-    block = min(512, s)
-    sizes = sk.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        use_fused_bwd_kernel=True,
-    )
-    kernel = sk.make_splash_mqa_single_device(
-        sm.MultiHeadMask([sm.CausalMask((s, s))] * group), block_sizes=sizes
-    )
-
-    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        out = jax.vmap(jax.vmap(kernel))(qh, kh, vh)  # (batch, kv_heads, group, seq, hd)
-        return out.transpose(0, 3, 1, 2, 4)
-
-    mesh = dtensor.current_mesh()
-    if mesh is None or mesh.size == 1:
-        return local(q, k, v)
-    axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1)
-    heads = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
-    spec = P(axes or None, None, heads)
-    return jax.shard_map(
-        local, mesh=mesh.jax_mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
-    )(q, k, v)
 
 
 class MLP(nnx.Module):

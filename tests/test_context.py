@@ -317,6 +317,8 @@ def test_decoder_s_attention_kernels_compile_for_their_platform(kernel):
         text = report.compiled.as_text()
         marker = "tpu_custom_call" if kernel == "splash" else "__cudnn$fmha"
         assert (marker in text) == (attention == kernel)
+        if attention == "splash":  # by dtensor.context_attention: a dq kernel of its own
+            assert "splash_mqa_dq" in text and "splash_mqa_dkv" in text
     if kernel == "cudnn":  # a layer's float32 scores (a sequence, 4 heads, 1024 x 1024): 16 MiB
         assert temps["xla"] - temps[kernel] > 8 << 20
 

@@ -108,11 +108,13 @@ def context_attention(
             ``data``, ``fsdp``, ``expert`` the mesh has).
         head_axis: the mesh axis the heads are split over where it divides them.
         implementation: ``"xla"`` (einsums, float32 scores of each device's
-            queries against the keys of a block) or ``"splash"`` (TPU only,
-            under a ``context`` axis in ``"gather"`` mode: the Pallas splash
-            kernel on each device's queries against the gathered keys, its mask
-            split over ``context`` with ``q_seq_shards``: no scores kept; causal
-            or full, no ``mask``/``window``).
+            queries against the keys of a block) or ``"splash"`` (TPU only:
+            the Pallas splash kernel on each device's queries against all the
+            keys, gathered in ``"gather"`` mode under a ``context`` axis, its
+            mask split over ``context`` with ``q_seq_shards``; separate dq and
+            dk/dv kernels in the backward pass; no scores kept; causal or
+            full, no ``mask``/``window``). Without a ``context`` axis it is
+            the kernel on each device's batch (and heads) as they are split.
 
     Returns:
         ``[batch, q_len, heads, head_dim]`` in ``query``'s dtype.
@@ -135,6 +137,14 @@ def context_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     mesh = _mesh()
     c = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
+    if implementation not in ("xla", "splash"):
+        raise ValueError(
+            f"dtensor.context_attention(implementation={implementation!r}): valid are 'xla', "
+            "'splash'."
+        )
+    if (mesh is None or c == 1) and implementation == "splash":
+        spec = _specs(mesh, query, key, batch_axes, head_axis, None)
+        return _splash(query, key, value, causal, mask, window, scale, "gather", mesh, axis, spec)
     if mesh is None or c == 1:
         qpos = jnp.arange(query.shape[1])
         kpos = jnp.arange(key.shape[1])
@@ -149,16 +159,8 @@ def context_attention(
             f"{_mesh_text(mesh)}; load-balanced causal ring attention cuts it into 2 x {c}). "
             "Make the sequence length a multiple of it, or choose another context size."
         )
-    sizes = dict(mesh.shape)
-    if batch_axes is None:
-        batch_axes = tuple(a for a in _BATCH_AXES if sizes.get(a, 1) > 1)
-    batch_axes = tuple(a for a in batch_axes if a != axis)
-    shards = math.prod(sizes[a] for a in batch_axes)
-    if batch_axes and query.shape[0] % shards:
-        batch_axes = ()  # a batch that does not divide stays whole on each device
-    t = sizes.get(head_axis, 1)
-    heads = head_axis if t > 1 and key.shape[2] % t == 0 else None
-    spec = P(batch_axes or None, axis, heads)
+    spec = _specs(mesh, query, key, batch_axes, head_axis, axis)
+    batch_axes, heads = spec[0] or (), spec[2]
     in_specs: list[Any] = [spec, spec, spec]
     args: list[Any] = [query, key, value]
     if mask is not None:
@@ -174,14 +176,7 @@ def context_attention(
         args.append(jnp.asarray(window))
 
     if implementation == "splash":
-        return _splash_gather(
-            query, key, value, causal, mask, window, scale, mode, mesh, axis, spec
-        )
-    if implementation != "xla":
-        raise ValueError(
-            f"dtensor.context_attention(implementation={implementation!r}): valid are 'xla', "
-            "'splash'."
-        )
+        return _splash(query, key, value, causal, mask, window, scale, mode, mesh, axis, spec)
 
     def per_device(q, k, v, *rest):
         it = iter(rest)
@@ -202,6 +197,27 @@ def context_attention(
         out_specs=spec,
         check_vma=False,
     )(*args)
+
+
+def _specs(
+    mesh: Any, query: jax.Array, key: jax.Array, batch_axes: Any, head_axis: str, axis: Any
+) -> P:
+    """The ``[batch, seq, heads, head_dim]`` spec of each device's part: the batch over
+    ``batch_axes`` (default: those of ``data``, ``fsdp``, ``expert`` the mesh has; none
+    where they do not divide it), the sequence over ``axis``, the heads over ``head_axis``
+    where it divides the KV heads."""
+    if mesh is None:
+        return P(None, axis, None)
+    sizes = dict(mesh.shape)
+    if batch_axes is None:
+        batch_axes = tuple(a for a in _BATCH_AXES if sizes.get(a, 1) > 1)
+    batch_axes = tuple(a for a in batch_axes if a != axis)
+    shards = math.prod(sizes[a] for a in batch_axes)
+    if batch_axes and query.shape[0] % shards:
+        batch_axes = ()  # a batch that does not divide stays whole on each device
+    t = sizes.get(head_axis, 1)
+    heads = head_axis if t > 1 and key.shape[2] % t == 0 else None
+    return P(batch_axes or None, axis, heads)
 
 
 def _gather_sequence(x: jax.Array, axis: str) -> jax.Array:
@@ -228,13 +244,15 @@ def _gather_sequence_bwd(axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
 _gather_sequence_vjp.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
-def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec):
-    """Gather mode with the splash kernel: each device's queries against all keys."""
+def _splash(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec):
+    """The splash kernel on each device's queries against all keys (gathered over ``axis``
+    under a context axis; the device's own otherwise)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     from jax.sharding import NamedSharding
 
-    if mode != "gather" or mask is not None or window is not None:
+    c = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
+    if (c > 1 and mode != "gather") or mask is not None or window is not None:
         raise ValueError(
             "dtensor.context_attention(implementation='splash') takes mode='gather' without "
             f"mask= or window= (got mode={mode!r}, mask {'given' if mask is not None else 'None'}, "
@@ -242,7 +260,6 @@ def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec)
         )
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    c = mesh.shape[axis]
     block_q, block_kv = min(512, s // c), min(512, s)
     sizes = sk.BlockSizes(
         block_q=block_q,
@@ -261,10 +278,10 @@ def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec)
     kernel = sk.make_splash_mqa(
         sm.MultiHeadMask([one] * (h // kvh)), block_sizes=sizes, head_shards=1, q_seq_shards=c
     )
-    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, axis)))
 
     def per_device(kernel, q, k, v):
-        k, v = _gather_sequence(k, axis), _gather_sequence(v, axis)
+        if c > 1:
+            k, v = _gather_sequence(k, axis), _gather_sequence(v, axis)
         bl, n = q.shape[:2]
         hl = q.shape[2] // (h // kvh)
         qh = (q * jnp.asarray(scale, q.dtype)).reshape(bl, n, hl, h // kvh, d)
@@ -277,6 +294,9 @@ def _splash_gather(q, k, v, causal, mask, window, scale, mode, mesh, axis, spec)
         out = jax.vmap(jax.vmap(call, (None, 0, 0, 0)), (None, 0, 0, 0))(kernel, qh, kh, vh)
         return out.transpose(0, 3, 1, 2, 4).reshape(bl, n, q.shape[2], d)
 
+    if mesh is None or mesh.size == 1:
+        return per_device(kernel, q, k, v)
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, axis if c > 1 else None)))
     return jax.shard_map(
         per_device,
         mesh=mesh,
