@@ -233,8 +233,11 @@ def _flax_step(model, opt, batch):
 
 
 def _flax_build():
+    # Adam's eps at 1e-3 (tests/test_compose.py says why): at 1e-6 the elements whose
+    # gradient is near eps turn float32 rounding (the stages sum in another order) into
+    # 1.4e-5 of a kernel in norm after three steps on jax 0.12 (within 1e-5 on 0.10).
     model = _FlaxListModel(nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-6), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
 
 
 def _flax_batches(n=3):
