@@ -48,6 +48,38 @@ def distributed_client() -> Any | None:
     return distributed.global_state.client
 
 
+def distributed_shutdown(settle_s: float = 1.0) -> None:
+    """``jax.distributed.shutdown()``, the coordination service (process 0's) ``settle_s`` later.
+
+    JAX shuts this process's client down (the shutdown barrier every process
+    passes) and then, in the process that holds it, the service at once; a
+    call another process's client still has in flight for a moment after the
+    barrier then meets a gRPC server being destroyed, which aborts process 0
+    (``Check failed: queue.Pop() == nullptr`` in ``RealRequestMatcher``, seen
+    under load after a job's work was done). Here the service goes after the
+    others have had ``settle_s`` to leave.
+
+    Examples:
+        >>> from dtensor.compat import distributed_shutdown
+        >>> distributed_shutdown()  # one process: nothing to leave
+    """
+    import time
+
+    from jax._src import distributed
+
+    state = distributed.global_state
+    service = getattr(state, "service", None)
+    if service is None:
+        jax.distributed.shutdown()
+        return
+    state.service = None
+    try:
+        jax.distributed.shutdown()  # the preemption manager, then this process's client
+    finally:
+        time.sleep(settle_s)
+        service.shutdown()
+
+
 def coordinator_address() -> str | None:
     """The ``host:port`` of the job's coordination service, as JAX resolved it (``None``: no job).
 

@@ -485,7 +485,7 @@ def shutdown() -> None:
         _state.monitor = None
         hosts.forget()
         if is_initialized():
-            jax.distributed.shutdown()
+            compat.distributed_shutdown()
         if _state.previous_excepthook is not None and sys.excepthook is _excepthook:
             sys.excepthook = _state.previous_excepthook
         if _state.previous_exit is not None and sys.exit is _recording_exit:
