@@ -19,6 +19,7 @@ match single-device JAX to 1e-8.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -32,22 +33,15 @@ import pytest
 from flax import nnx
 
 import strategies
-from examples.decoder import CONFIGS, Block, Decoder, loss_fn
-from tests.test_decoder import _batches
+from examples.decoder import CONFIGS, Block
+from tests import test_decoder
+from tests.test_decoder import _batches, _step
 from tests.test_pipeline import _close
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _build(cfg):
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
-
-
-def _step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return loss
+_build = functools.partial(test_decoder._build, eps=1e-3)
 
 
 def _micro_aux_loss(microbatches):
