@@ -155,6 +155,10 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 GIB = float(1 << 30)
 REPO = Path(__file__).resolve().parents[1]
 
+#: The decoder's attention as XLA einsums, as the FSDP, MoE and pipeline rows were measured
+#: (its default is the platform's kernel; benchmarks/long_context.py has the kernels' rows).
+XLA_ATTENTION = ("--attention", "xla")
+
 
 def aot_train(
     topology: str, strategy: str, train_args: Sequence[str], *, num_slices: int = 1

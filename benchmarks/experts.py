@@ -50,7 +50,7 @@ MAXTEXT: dict[tuple[str, str, int], dict[str, float | str]] = {
 def measure(size: str, topology: str, expert: int, batch: int) -> dict[str, Any]:
     """Compile one row in its own process; its figures from the JSON report."""
     args = ["--model-size", size, "--expert", str(expert), "--batch-size", str(batch)]
-    args += ["--mixed-precision", "bf16", "--remat", "--scan"]
+    args += ["--mixed-precision", "bf16", "--remat", "--scan", *common.XLA_ATTENTION]
     data, seconds, shown = common.aot_train(topology, "hybrid", args)
     report, fit = data["report"], data["report"].get("memory_fit") or {}
     gib = lambda v: None if v is None else round(v / GIB, 2)  # noqa: E731

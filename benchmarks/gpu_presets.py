@@ -126,7 +126,7 @@ def large_row(size: str, topology: str, option: str, batch: int, seq: int) -> di
     if size not in getattr(module, "DECODER_SIZES", ()):
         return row | {"error": f"examples/train.py has no --model-size {size} yet"}
     argv = ["--strategy", "fully_sharded", "--model-size", size, "--batch-size", str(batch)]
-    argv += ["--seq-len", str(seq), *OPTIONS[option]]
+    argv += ["--seq-len", str(seq), *common.XLA_ATTENTION, *OPTIONS[option]]
     result = aot.compile_script(module, argv, topology=topology)
     return (
         row

@@ -61,7 +61,7 @@ def measure(row: tuple[str, str, int, int, tuple[str, ...]]) -> dict[str, Any]:
     """Compile one row in its own process; its figures from the JSON report."""
     size, topology, slices, batch, extra = row
     args = ["--model-size", size, "--batch-size", str(batch), *extra]
-    args += ["--mixed-precision", "bf16", "--remat", "--scan"]
+    args += ["--mixed-precision", "bf16", "--remat", "--scan", *common.XLA_ATTENTION]
     data, seconds, shown = common.aot_train(topology, "hybrid", args, num_slices=slices)
     report = data["report"]
     gib = float(1 << 30)

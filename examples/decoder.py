@@ -85,13 +85,17 @@ class DecoderConfig:
     experts: int = 0
     experts_per_token: int = 2
     aux_loss_weight: float = 0.01
-    #: ``"xla"``: attention as einsums (float32 scores of ``[batch, heads, seq, seq]``);
-    #: ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores kept; by
-    #: :func:`dtensor.context_attention`, with separate dq and dk/dv backward kernels);
-    #: ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs (``jax.nn.dot_product_attention(...,
-    #: implementation="cudnn")``; no scores kept). Under a ``context`` mesh axis attention is
-    #: :func:`dtensor.context_attention` (splash in its gather mode; else XLA per device).
-    attention: str = "xla"
+    #: ``"auto"`` (the default): the platform's best, chosen when the step is traced for its
+    #: devices (:func:`attention_kind`): splash on TPU, cuDNN on NVIDIA GPUs in bfloat16 or
+    #: float16, XLA on CPU, in float32 on GPU, for Gemma 3 and where a kernel cannot take
+    #: the shapes. ``"xla"``: attention as einsums (float32 scores of ``[batch, heads, seq,
+    #: seq]``); ``"splash"``: the Pallas splash-attention kernel on TPU (causal; no scores
+    #: kept; by :func:`dtensor.context_attention`, with separate dq and dk/dv backward
+    #: kernels); ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs
+    #: (``jax.nn.dot_product_attention(..., implementation="cudnn")``; no scores kept). Under
+    #: a ``context`` mesh axis attention is :func:`dtensor.context_attention` (splash in its
+    #: gather mode; else XLA per device).
+    attention: str = "auto"
     #: The loss over the vocabulary in this many slices (:func:`chunked_cross_entropy`): one
     #: slice's float32 logits live at a time; 1 (the default): the whole logits at once.
     loss_chunks: int = 1
@@ -106,7 +110,7 @@ class DecoderConfig:
                 f"DecoderConfig(attention={self.attention!r}) is not an attention kind; valid: "
                 f"{ATTENTION}."
             )
-        if self.attention != "xla" and self.block == "gemma3":
+        if self.attention not in ("xla", "auto") and self.block == "gemma3":
             raise ValueError(
                 f"DecoderConfig(attention={self.attention!r}) with block='gemma3': its "
                 "sliding-window layers' windows are traced per layer, which the kernels' "
@@ -131,7 +135,7 @@ class DecoderConfig:
 #: The block kinds.
 BLOCKS = ("gemma", "gemma3", "llama")
 #: The attention implementations.
-ATTENTION = ("xla", "splash", "cudnn")
+ATTENTION = ("auto", "xla", "splash", "cudnn")
 
 
 #: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b``,
@@ -333,7 +337,8 @@ class Attention(nnx.Module):
         b, s, _, hd = q.shape
         group = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, group, hd) * (hd**-0.5)
-        splash = cfg.attention == "splash" and window is None
+        kind = attention_kind(cfg, q.dtype, s, window)
+        splash = kind == "splash" and window is None
         if splash or _context_size() > 1:  # (a ``context`` axis: the sequence split over it)
             import dtensor
 
@@ -347,7 +352,7 @@ class Attention(nnx.Module):
                 implementation="splash" if splash else "xla",
             )
             return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
-        if cfg.attention == "cudnn" and window is None:  # query head i reads KV head i // group
+        if kind == "cudnn" and window is None:  # query head i reads KV head i // group
             ctx = jax.nn.dot_product_attention(
                 q.reshape(b, s, cfg.heads, hd),
                 k,
@@ -365,6 +370,33 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
         return jnp.einsum("bshk,hkd->bsd", ctx, _read(self.out, dt))
+
+
+def attention_kind(cfg: DecoderConfig, dtype: Any, seq: int, window: Any = None) -> str:
+    """The attention ``cfg.attention`` stands for in a layer of ``seq`` tokens computing in
+    ``dtype`` (``window``: a Gemma 3 layer's), on the platform the step is traced for.
+
+    ``"auto"`` is ``"splash"`` on TPU where :func:`dtensor.core.attention.best_implementation`
+    says the kernel takes the call (causal, gather mode under a ``context`` axis, whole blocks
+    of 128 tokens a device), ``"cudnn"`` on GPU in bfloat16/float16 without a ``context``
+    axis (head dim a multiple of 8, at most 128), else ``"xla"``; always ``"xla"`` for
+    Gemma 3, whose windows are traced per layer.
+    """
+    if cfg.attention != "auto":
+        return cfg.attention
+    if cfg.block == "gemma3" or window is not None:
+        return "xla"
+    from dtensor.core import attention
+
+    platform = attention.trace_platform()
+    hd = cfg.head_dim
+    if platform == "tpu":
+        shape = jax.ShapeDtypeStruct((1, seq, cfg.heads, hd), dtype)
+        return attention.best_implementation(shape, shape, causal=True)
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if platform in ("gpu", "cuda") and half and _context_size() == 1 and hd % 8 == 0 and hd <= 128:
+        return "cudnn"
+    return "xla"
 
 
 def _context_size() -> int:

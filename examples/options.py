@@ -93,10 +93,11 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     p.add_argument("--scan", action="store_true", help="decoder: run the layers with nnx.scan")
     p.add_argument(
         "--attention",
-        choices=["xla", "splash", "cudnn"],
+        choices=["auto", "xla", "splash", "cudnn"],
         default=None,
-        help="decoder: attention as XLA einsums (the default), the Pallas splash kernel (TPU; "
-        "under --context in gather mode too) or cuDNN's fused attention (NVIDIA GPUs)",
+        help="decoder: the platform's best (auto, the default: splash on TPU, cudnn on NVIDIA "
+        "GPUs in bf16, xla on CPU and for Gemma 3), attention as XLA einsums, the Pallas "
+        "splash kernel (TPU; under --context in gather mode too) or cuDNN's fused attention",
     )
     p.add_argument(
         "--remat-policy",

@@ -306,7 +306,7 @@ def test_decoder_s_attention_kernels_compile_for_their_platform(kernel):
         "y": jax.ShapeDtypeStruct((8, 1024), jnp.int32),
     }
     temps = {}
-    for attention in (kernel, "xla"):
+    for attention in ("auto", "xla"):  # "auto": the topology's kernel, not the CPU backend's
         cfg = CONFIGS["tiny"].replace(scan=True, attention=attention, head_dim=128)
         s = strategies.FullyShardedStrategy(
             devices, min_shard_bytes=0, remat=(Block,), mixed_precision=strategies.MixedPrecision()
@@ -316,11 +316,49 @@ def test_decoder_s_attention_kernels_compile_for_their_platform(kernel):
         temps[attention] = report.temp_bytes_per_device
         text = report.compiled.as_text()
         marker = "tpu_custom_call" if kernel == "splash" else "__cudnn$fmha"
-        assert (marker in text) == (attention == kernel)
-        if attention == "splash":  # by dtensor.context_attention: a dq kernel of its own
-            assert "splash_mqa_dq" in text and "splash_mqa_dkv" in text
+        assert (marker in text) == (attention == "auto")
+        if attention == "auto" and kernel == "splash":  # by dtensor.context_attention
+            assert "splash_mqa_dq" in text and "splash_mqa_dkv" in text  # a dq kernel of its own
     if kernel == "cudnn":  # a layer's float32 scores (a sequence, 4 heads, 1024 x 1024): 16 MiB
-        assert temps["xla"] - temps[kernel] > 8 << 20
+        assert temps["xla"] - temps["auto"] > 8 << 20
+
+
+def test_auto_attention_is_the_platform_s_kernel_where_it_takes_the_call():
+    """DecoderConfig(attention='auto') (the default) by the platform of the mesh the step is
+    traced under, not the CPU backend an ahead-of-time compile runs on."""
+    from examples.decoder import attention_kind
+
+    assert {cfg.attention for cfg in CONFIGS.values()} == {"auto"}
+    tpu = dtensor.create_mesh([("fsdp", 8)], devices=dtensor.tpu_topology("v5e:2x4"))
+    gpu = dtensor.create_mesh([("fsdp", 8)], devices=dtensor.gpu_topology("h100:1x8"))
+    cpu = dtensor.create_mesh([("fsdp", 8)])
+    llama, gemma3 = CONFIGS["tiny"].replace(head_dim=128), CONFIGS["tiny-gemma3"]
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def kind(mesh, cfg=llama, dtype=bf16, seq=1024, window=None):
+        with mesh:
+            return attention_kind(cfg, dtype, seq, window)
+
+    assert kind(tpu) == kind(tpu, dtype=f32) == "splash"
+    assert kind(gpu) == "cudnn" and kind(gpu, dtype=jnp.float16) == "cudnn"
+    assert kind(cpu) == kind(cpu, dtype=f32) == "xla"
+    assert kind(gpu, dtype=f32) == "xla"  # cuDNN's fused attention takes bf16/fp16 only
+    assert kind(tpu, seq=1000) == "xla"  # not whole blocks of 128 for the kernel
+    assert kind(tpu, cfg=gemma3) == kind(gpu, cfg=gemma3) == "xla"  # traced windows
+    assert kind(tpu, window=jnp.int32(64)) == "xla"
+    assert kind(tpu, cfg=llama.replace(attention="xla")) == "xla"  # an explicit choice stays
+    assert kind(cpu, cfg=llama.replace(attention="splash")) == "splash"
+    context = dtensor.create_mesh(
+        [("fsdp", 2), ("context", 4)], devices=dtensor.tpu_topology("v5e:2x4")
+    )
+    assert kind(context) == "splash"  # gather mode: the kernel on the gathered keys
+    with dtensor.core.attention.context_mode("ring"):
+        assert kind(context) == "xla"
+    assert kind(context, seq=256) == "xla"  # 64 queries a device
+    gpu_context = dtensor.create_mesh(
+        [("fsdp", 2), ("context", 4)], devices=dtensor.gpu_topology("h100:1x8")
+    )
+    assert kind(gpu_context) == "xla"  # no per-shard cuDNN path under a context axis
 
 
 @pytest.mark.parametrize("size", ["tiny", "tiny-moe"])

@@ -43,13 +43,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["CONTEXT_SCOPE", "MODES", "context_attention", "context_mode"]
+__all__ = [
+    "CONTEXT_SCOPE",
+    "IMPLEMENTATIONS",
+    "MODES",
+    "best_implementation",
+    "context_attention",
+    "context_mode",
+    "trace_platform",
+]
 
 #: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
 CONTEXT_SCOPE = "context_attention"
 
 #: The modes of :func:`context_attention` under a ``context`` axis.
 MODES = ("gather", "ring")
+#: The values of :func:`context_attention`'s ``implementation``.
+IMPLEMENTATIONS = ("xla", "splash", "auto")
 
 _BATCH_AXES = ("data", "fsdp", "expert")
 _mode: list[str] = ["gather"]
@@ -115,6 +125,8 @@ def context_attention(
             dk/dv kernels in the backward pass; no scores kept; causal or
             full, no ``mask``/``window``). Without a ``context`` axis it is
             the kernel on each device's batch (and heads) as they are split.
+            ``"auto"``: splash where it takes the call on TPU, else XLA
+            (:func:`best_implementation`).
 
     Returns:
         ``[batch, q_len, heads, head_dim]`` in ``query``'s dtype.
@@ -137,11 +149,13 @@ def context_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     mesh = _mesh()
     c = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
-    if implementation not in ("xla", "splash"):
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"dtensor.context_attention(implementation={implementation!r}): valid are 'xla', "
-            "'splash'."
+            f"dtensor.context_attention(implementation={implementation!r}): valid are "
+            f"{', '.join(map(repr, IMPLEMENTATIONS))}."
         )
+    if implementation == "auto":
+        implementation = best_implementation(query, key, causal, mask, window, mode, mesh, c)
     if (mesh is None or c == 1) and implementation == "splash":
         spec = _specs(mesh, query, key, batch_axes, head_axis, None)
         return _splash(query, key, value, causal, mask, window, scale, "gather", mesh, axis, spec)
@@ -197,6 +211,45 @@ def context_attention(
         out_specs=spec,
         check_vma=False,
     )(*args)
+
+
+def trace_platform(mesh: Any = None) -> str:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) a traced step is compiled for: that of
+    ``mesh`` (default: the trace's mesh, dtensor's ``with mesh:`` or JAX's abstract mesh,
+    which keeps its devices' platform), else JAX's default backend. Ahead-of-time compiles
+    for a TPU or GPU topology trace on a CPU machine: the mesh, not the backend, says which."""
+    mesh = _mesh() if mesh is None else mesh
+    devices = getattr(mesh, "devices", None)
+    if isinstance(devices, np.ndarray) and devices.size:
+        return str(devices.flat[0].platform)
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:
+        return str(device.platform)
+    return jax.default_backend()
+
+
+def best_implementation(
+    query: Any,
+    key: Any,
+    causal: bool = True,
+    mask: Any = None,
+    window: Any = None,
+    mode: str | None = None,
+    mesh: Any = None,
+    context: int | None = None,
+) -> str:
+    """The :func:`context_attention` implementation ``"auto"`` stands for: ``"splash"`` on TPU
+    when the kernel takes the call (no ``mask`` or ``window``; ``"gather"`` mode under a
+    ``context`` axis; each device's queries and all the keys in whole blocks of 128), else
+    ``"xla"``."""
+    mesh = _mesh() if mesh is None else mesh
+    if context is None:
+        context = mesh.shape.get("context", 1) if mesh is not None else 1
+    mode = _mode[-1] if mode is None else mode
+    q_len, kv_len = query.shape[1], key.shape[1]
+    fits = q_len % (128 * context) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
+    takes = mask is None and window is None and (context == 1 or mode == "gather")
+    return "splash" if trace_platform(mesh) == "tpu" and fits and takes else "xla"
 
 
 def _specs(
