@@ -61,6 +61,31 @@ def test_context_attention_without_a_context_axis_is_jax_s_attention():
     want = jax.nn.dot_product_attention(q, k, v, mask=mask)
     got = dtensor.context_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    keys = jnp.arange(S) < S - 3  # a mask of lower rank (padded keys), broadcast as JAX does
+    want = jax.nn.dot_product_attention(q, k, v, mask=keys)
+    got = dtensor.context_attention(q, k, v, mask=keys)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # implementation="auto" on CPU is XLA's attention, not a TPU kernel
+    got = dtensor.context_attention(q, k, v, causal=True, implementation="auto")
+    np.testing.assert_allclose(got, dtensor.context_attention(q, k, v, causal=True), rtol=0)
+
+
+def test_context_attention_auto_is_splash_when_traced_for_a_tpu_topology():
+    """implementation="auto" by the mesh's platform: the splash kernel in a program lowered for
+    TPU chips from this CPU machine; XLA where the kernel cannot take the call (a mask)."""
+    mesh = dtensor.create_mesh([("data", 8)], devices=dtensor.tpu_topology("v5e:2x4"))
+    spec = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16)
+
+    def lowered(**kw):
+        def f(q, k, v):
+            return dtensor.context_attention(q, k, v, implementation="auto", **kw)
+
+        with mesh:
+            traced = jax.jit(f).trace(spec, spec, spec)
+        return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+    assert "tpu_custom_call" in lowered(causal=True)
+    assert "tpu_custom_call" not in lowered(causal=True, mask=jnp.ones((256, 256), bool))
 
 
 @pytest.mark.parametrize("mode", ["gather", "ring"])

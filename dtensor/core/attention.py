@@ -156,6 +156,10 @@ def context_attention(
         )
     if implementation == "auto":
         implementation = best_implementation(query, key, causal, mask, window, mode, mesh, c)
+    if mask is not None:  # [batch | 1, heads | 1, q_len, kv_len], as both paths take it
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, mask.shape[:2] + (query.shape[1], key.shape[1]))
     if (mesh is None or c == 1) and implementation == "splash":
         spec = _specs(mesh, query, key, batch_axes, head_axis, None)
         return _splash(query, key, value, causal, mask, window, scale, "gather", mesh, axis, spec)
@@ -178,9 +182,7 @@ def context_attention(
     in_specs: list[Any] = [spec, spec, spec]
     args: list[Any] = [query, key, value]
     if mask is not None:
-        m = jnp.asarray(mask)
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
-        m = jnp.broadcast_to(m, m.shape[:2] + (s, key.shape[1]))
+        m = mask
         mb = batch_axes if m.shape[0] == query.shape[0] and batch_axes else None
         mh = heads if m.shape[1] == query.shape[2] else None
         in_specs.append(P(mb, mh, axis, None))
