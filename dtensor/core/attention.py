@@ -246,11 +246,11 @@ def best_implementation(
     ``"xla"``."""
     mesh = _mesh() if mesh is None else mesh
     if context is None:
-        context = mesh.shape.get("context", 1) if mesh is not None else 1
+        context = int(mesh.shape.get("context", 1)) if mesh is not None else 1
     mode = _mode[-1] if mode is None else mode
-    q_len, kv_len = query.shape[1], key.shape[1]
-    fits = q_len % (128 * context) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
-    takes = mask is None and window is None and (context == 1 or mode == "gather")
+    q_len, kv_len, c = query.shape[1], key.shape[1], int(context)
+    fits = q_len % (128 * c) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
+    takes = mask is None and window is None and (c == 1 or mode == "gather")
     return "splash" if trace_platform(mesh) == "tpu" and fits and takes else "xla"
 
 
