@@ -384,6 +384,15 @@ def test_auto_attention_is_the_platform_s_kernel_where_it_takes_the_call():
         [("fsdp", 2), ("context", 4)], devices=dtensor.gpu_topology("h100:1x8")
     )
     assert kind(gpu_context) == "xla"  # no per-shard cuDNN path under a context axis
+    seen = []  # inside jax.jit under jax.set_mesh only the abstract mesh is seen: its platform
+
+    def f(x):
+        seen.append(dtensor.core.attention.trace_platform())
+        return x
+
+    with jax.set_mesh(tpu.jax_mesh):
+        jax.jit(f).trace(jax.ShapeDtypeStruct((8,), jnp.float32))
+    assert seen == ["tpu"]
 
 
 @pytest.mark.parametrize("size", ["tiny", "tiny-moe"])

@@ -84,6 +84,17 @@ def test_expert_mlp_under_a_mesh_matches_one_device_forward_and_backward(dims):
     assert ("all_to_all" in text) == (dict(dims).get("expert", 1) > 1)
 
 
+def test_expert_mlp_under_jax_s_own_set_mesh_matches_one_device():
+    """Under ``jax.set_mesh`` (no dtensor mesh) a traced call sees only JAX's abstract mesh:
+    the exchange is still chosen by its devices' platform (dense on CPU)."""
+    x, ids, weights, gate, up, down = _moe_inputs()
+    want = dtensor.expert_mlp(x, ids, weights, gate, up, down)
+    mesh = dtensor.create_mesh([("data", 2), ("expert", 4)], axis_types="auto")
+    with jax.set_mesh(mesh.jax_mesh):
+        got = jax.jit(dtensor.expert_mlp)(x, ids, weights, gate, up, down)
+    _close(got, want, 1e-6)
+
+
 def test_expert_mlp_ungated_and_imbalanced_routing():
     """Every token to the same two experts: one device receives all rows (the dropless
     buffer's worst case), the others none; still exact."""

@@ -220,14 +220,9 @@ def trace_platform(mesh: Any = None) -> str:
     ``mesh`` (default: the trace's mesh, dtensor's ``with mesh:`` or JAX's abstract mesh,
     which keeps its devices' platform), else JAX's default backend. Ahead-of-time compiles
     for a TPU or GPU topology trace on a CPU machine: the mesh, not the backend, says which."""
-    mesh = _mesh() if mesh is None else mesh
-    devices = getattr(mesh, "devices", None)
-    if isinstance(devices, np.ndarray) and devices.size:
-        return str(devices.flat[0].platform)
-    device = getattr(mesh, "abstract_device", None)
-    if device is not None:
-        return str(device.platform)
-    return jax.default_backend()
+    from dtensor.core.experts import _platform
+
+    return _platform(_mesh() if mesh is None else mesh)
 
 
 def best_implementation(

@@ -260,9 +260,15 @@ def _mesh() -> Any:
 
 
 def _platform(mesh: Any) -> str:
-    devices = getattr(mesh, "devices", None)
+    """The platform of ``mesh``'s devices (an abstract mesh keeps it), else the backend's."""
+    device = getattr(mesh, "abstract_device", None)  # (an abstract mesh has no devices)
+    if device is not None:
+        return str(device.platform)
+    devices = (
+        None if isinstance(mesh, jax.sharding.AbstractMesh) else getattr(mesh, "devices", None)
+    )
     if isinstance(devices, np.ndarray) and devices.size:
-        return devices.flat[0].platform
+        return str(devices.flat[0].platform)
     return jax.default_backend()
 
 
