@@ -66,9 +66,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "train.py"
 
 #: option name -> extra train.py arguments
-#: Attention as XLA einsums, as every row was measured.
-ATTENTION = list(common.XLA_ATTENTION)
-
 OPTIONS: dict[str, list[str]] = {
     "default": [],
     "gather at reads": ["--gather-at-reads"],
@@ -134,7 +131,7 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
 
     module = aot.load_script(DEMO)
     argv = ["--strategy", "fully_sharded", "--model-size", size, "--batch-size", str(batch)]
-    argv += ["--seq-len", str(seq), *ATTENTION, *OPTIONS[option]]
+    argv += ["--seq-len", str(seq), *common.XLA_ATTENTION, *OPTIONS[option]]
     row: dict[str, Any] = {"size": size, "topology": topology, "option": option, "argv": argv}
     row["global_batch"] = batch
     if option in PRECISION:

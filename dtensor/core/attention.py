@@ -219,7 +219,16 @@ def trace_platform(mesh: Any = None) -> str:
     """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) a traced step is compiled for: that of
     ``mesh`` (default: the trace's mesh, dtensor's ``with mesh:`` or JAX's abstract mesh,
     which keeps its devices' platform), else JAX's default backend. Ahead-of-time compiles
-    for a TPU or GPU topology trace on a CPU machine: the mesh, not the backend, says which."""
+    for a TPU or GPU topology trace on a CPU machine: the mesh, not the backend, says which.
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.core.attention import trace_platform
+        >>> trace_platform(dtensor.create_mesh([("x", 8)]))
+        'cpu'
+        >>> trace_platform(dtensor.create_mesh([("x", 8)], devices=dtensor.tpu_topology("v5e:2x4")))
+        'tpu'
+    """
     from dtensor.core.experts import _platform
 
     return _platform(_mesh() if mesh is None else mesh)
@@ -238,7 +247,18 @@ def best_implementation(
     """The :func:`context_attention` implementation ``"auto"`` stands for: ``"splash"`` on TPU
     when the kernel takes the call (no ``mask`` or ``window``; ``"gather"`` mode under a
     ``context`` axis; each device's queries and all the keys in whole blocks of 128), else
-    ``"xla"``."""
+    ``"xla"``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> from dtensor.core.attention import best_implementation
+        >>> q = jax.ShapeDtypeStruct((8, 1024, 4, 128), jnp.bfloat16)
+        >>> tpu = dtensor.create_mesh([("data", 8)], devices=dtensor.tpu_topology("v5e:2x4"))
+        >>> best_implementation(q, q, causal=True, mesh=tpu)
+        'splash'
+        >>> best_implementation(q, q, causal=True, mesh=dtensor.create_mesh([("data", 8)]))
+        'xla'
+    """
     mesh = _mesh() if mesh is None else mesh
     if context is None:
         context = int(mesh.shape.get("context", 1)) if mesh is not None else 1
