@@ -59,7 +59,9 @@ CONTEXT_SCOPE = "context_attention"
 #: The modes of :func:`context_attention` under a ``context`` axis.
 MODES = ("gather", "ring")
 #: The values of :func:`context_attention`'s ``implementation``.
-IMPLEMENTATIONS = ("xla", "splash", "auto")
+IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
+#: The dtypes cuDNN's fused attention takes.
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 _BATCH_AXES = ("data", "fsdp", "expert")
 _mode: list[str] = ["gather"]
@@ -125,15 +127,20 @@ def context_attention(
             dk/dv kernels in the backward pass; no scores kept; causal or
             full, no ``mask``/``window``). Without a ``context`` axis it is
             the kernel on each device's batch (and heads) as they are split.
-            ``"auto"``: splash where it takes the call on TPU, else XLA
-            (:func:`best_implementation`).
+            ``"cudnn"`` (NVIDIA GPUs, bfloat16 or float16, no ``context`` axis,
+            no ``mask``/``window``): cuDNN's fused attention,
+            ``jax.nn.dot_product_attention(..., implementation="cudnn")``; no
+            scores kept. ``"auto"``: splash where it takes the call on TPU,
+            cuDNN where it does on GPU, else XLA (:func:`best_implementation`,
+            the choice ``examples/decoder.py``'s ``attention="auto"`` makes).
 
     Returns:
         ``[batch, q_len, heads, head_dim]`` in ``query``'s dtype.
 
     Raises:
-        ValueError: the shapes disagree, or the sequence does not divide over
-            ``axis`` (twice its size for load-balanced causal ring attention).
+        ValueError: the shapes disagree, the sequence does not divide over
+            ``axis`` (twice its size for load-balanced causal ring attention),
+            or ``"cudnn"`` is asked for a call it cannot take.
 
     Examples:
         >>> import jax, jax.numpy as jnp, dtensor
@@ -156,6 +163,8 @@ def context_attention(
         )
     if implementation == "auto":
         implementation = best_implementation(query, key, causal, mask, window, mode, mesh, c)
+    if implementation == "cudnn":
+        return _cudnn(query, key, value, causal, mask, window, scale, mesh, c)
     if mask is not None:  # [batch | 1, heads | 1, q_len, kv_len], as both paths take it
         mask = jnp.asarray(mask)
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -246,8 +255,10 @@ def best_implementation(
 ) -> str:
     """The :func:`context_attention` implementation ``"auto"`` stands for: ``"splash"`` on TPU
     when the kernel takes the call (no ``mask`` or ``window``; ``"gather"`` mode under a
-    ``context`` axis; each device's queries and all the keys in whole blocks of 128), else
-    ``"xla"``.
+    ``context`` axis; each device's queries and all the keys in whole blocks of 128),
+    ``"cudnn"`` on NVIDIA GPUs when cuDNN's fused attention takes it (bfloat16 or float16, no
+    ``context`` axis, no ``mask`` or ``window``, a head dimension that is a multiple of 8 and
+    at most 128), else ``"xla"``. ``examples/decoder.py``'s ``attention="auto"`` is this choice.
 
     Examples:
         >>> import jax, jax.numpy as jnp, dtensor
@@ -256,6 +267,9 @@ def best_implementation(
         >>> tpu = dtensor.create_mesh([("data", 8)], devices=dtensor.tpu_topology("v5e:2x4"))
         >>> best_implementation(q, q, causal=True, mesh=tpu)
         'splash'
+        >>> gpu = dtensor.create_mesh([("data", 8)], devices=dtensor.gpu_topology("h100:1x8"))
+        >>> best_implementation(q, q, causal=True, mesh=gpu)
+        'cudnn'
         >>> best_implementation(q, q, causal=True, mesh=dtensor.create_mesh([("data", 8)]))
         'xla'
     """
@@ -264,9 +278,42 @@ def best_implementation(
         context = int(mesh.shape.get("context", 1)) if mesh is not None else 1
     mode = _mode[-1] if mode is None else mode
     q_len, kv_len, c = query.shape[1], key.shape[1], int(context)
-    fits = q_len % (128 * c) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
-    takes = mask is None and window is None and (c == 1 or mode == "gather")
-    return "splash" if trace_platform(mesh) == "tpu" and fits and takes else "xla"
+    platform = trace_platform(mesh)
+    if platform == "tpu":
+        fits = q_len % (128 * c) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
+        takes = mask is None and window is None and (c == 1 or mode == "gather")
+        return "splash" if fits and takes else "xla"
+    if platform in ("gpu", "cuda") and _cudnn_problem(query, mask, window, c) is None:
+        return "cudnn"
+    return "xla"
+
+
+def _cudnn_problem(query: Any, mask: Any, window: Any, context: int) -> str | None:
+    """Why cuDNN's fused attention cannot take the call (``None``: it can)."""
+    head_dim = query.shape[-1]
+    if jnp.dtype(query.dtype) not in _CUDNN_DTYPES:
+        return f"it takes bfloat16 or float16, not {jnp.dtype(query.dtype).name}"
+    if context > 1:
+        return f"it has no per-shard path under a context axis (of size {context})"
+    if mask is not None or window is not None:
+        return "its path here takes no mask= or window="
+    if head_dim % 8 or head_dim > 128:
+        return f"its head dimension must be a multiple of 8 and at most 128, not {head_dim}"
+    return None
+
+
+def _cudnn(query, key, value, causal, mask, window, scale, mesh, c):
+    """cuDNN's fused attention on the arrays as they are laid out (no ``context`` axis)."""
+    problem = _cudnn_problem(query, mask, window, c)
+    if problem is not None:
+        where = _mesh_text(mesh) if mesh is not None else "no mesh"
+        raise ValueError(
+            f"dtensor.context_attention(implementation='cudnn') on {where}: {problem}. Use "
+            "implementation='auto' (cuDNN where it takes the call, else XLA) or 'xla'."
+        )
+    return jax.nn.dot_product_attention(
+        query, key, value, scale=scale, is_causal=causal, implementation="cudnn"
+    )
 
 
 def _specs(
