@@ -28,6 +28,9 @@ block in the backward pass (``nnx.remat``), keeping only block inputs.
 
 Large sizes are for ahead-of-time compiles: build them with
 ``nnx.eval_shape(lambda: Decoder(CONFIGS["7b"], rngs=nnx.Rngs(0)))``.
+
+Pretrained Hugging Face checkpoints: :func:`from_hf_config` and :func:`hf_mapping`
+(in ``examples/hf.py``, re-exported here).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ __all__ = [
     "MoE",
     "Decoder",
     "DecoderConfig",
+    "from_hf_config",
+    "hf_mapping",
     "layer_windows",
     "loss_fn",
     "model_flops",
@@ -99,6 +104,8 @@ class DecoderConfig:
     #: The loss over the vocabulary in this many slices (:func:`chunked_cross_entropy`): one
     #: slice's float32 logits live at a time; 1 (the default): the whole logits at once.
     loss_chunks: int = 1
+    #: RMSNorm's epsilon (Hugging Face's ``rms_norm_eps``: 1e-5 for Llama 2 and 3).
+    norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.block not in BLOCKS:
@@ -281,10 +288,11 @@ class RMSNorm(nnx.Module):
         self.offset = 0.0 if cfg.block == "llama" else 1.0
         self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, cfg.param_dtype))
         self.dtype = cfg.dtype
+        self.eps = cfg.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.offset + self.scale[...].astype(jnp.float32)
         return (y * scale).astype(self.dtype or x.dtype)
 
@@ -707,3 +715,34 @@ def chunked_cross_entropy(
     init = (neg, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32))
     (top, total, picked), _ = jax.lax.scan(body, init, (slices, jnp.arange(chunks)))
     return (top + jnp.log(total) - picked).mean()
+
+
+# ---------------------------------------------------------- Hugging Face checkpoints
+def _hf() -> Any:
+    """``examples/hf.py``, whether this module is ``examples.decoder`` or loaded from its path."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if __package__:
+        return importlib.import_module(f"{__package__}.hf")
+    key = "_dtensor_example_hf"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("hf.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+def from_hf_config(path_or_dict: Any, **changes: Any) -> DecoderConfig:
+    """A :class:`DecoderConfig` from a Hugging Face ``config.json`` (Llama, Mistral, Mixtral,
+    Gemma, Gemma 3 text): see ``examples/hf.py``."""
+    return _hf().from_hf_config(path_or_dict, config_cls=DecoderConfig, **changes)
+
+
+def hf_mapping(cfg: DecoderConfig, **options: Any) -> Any:
+    """The :class:`dtensor.checkpoint.Mapping` between ``cfg``'s Hugging Face tensor names and
+    this decoder's paths: see ``examples/hf.py``."""
+    return _hf().hf_mapping(cfg, **options)

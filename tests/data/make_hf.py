@@ -1,0 +1,92 @@
+"""Regenerate ``hf_llama.npz`` / ``hf_gemma.npz``: Hugging Face ``transformers``' own logits for
+the tiny weights of ``hf_weights.py`` (run by hand; the suite never needs torch).
+
+    python3.11 -m venv /tmp/hfvenv
+    /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors numpy   # CPU torch
+    /tmp/hfvenv/bin/python tests/data/make_hf.py [--save-pretrained DIR]
+    /tmp/hfvenv/bin/python tests/data/make_hf.py --check DIR    # a checkpoint we wrote
+
+Writes ``hf_<arch>.json`` (the ``config.json`` transformers writes) and ``hf_<arch>.npz``
+(``tokens``, ``logits`` in float32, ``checksum`` of the weights). ``--save-pretrained DIR``
+also writes ``DIR/<arch>`` with ``save_pretrained(max_shard_size="100KB")`` (sharded files
+and an index, as on the Hub) for checking ``dtensor.checkpoint.load_safetensors`` on files
+transformers wrote. ``--check DIR`` loads ``DIR`` (a Llama checkpoint written by
+``dtensor.checkpoint.save_safetensors``) with ``from_pretrained`` and prints the largest
+difference of its logits from the stored ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import hf_weights  # noqa: E402
+
+
+def build(arch: str):
+    import torch
+    import transformers
+
+    config = dict(hf_weights.LLAMA if arch == "llama" else hf_weights.GEMMA)
+    cls_name = config.pop("architectures")[0]
+    config.pop("model_type")
+    config.pop("torch_dtype")
+    cfg_cls = transformers.LlamaConfig if arch == "llama" else transformers.GemmaConfig
+    cfg = cfg_cls(**config)
+    cfg.architectures = [cls_name]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(cfg).float().eval()
+    tensors = hf_weights.weights(hf_weights.LLAMA if arch == "llama" else hf_weights.GEMMA)
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight" or not cfg.tie_word_embeddings]
+    assert not missing and not unexpected, (missing, unexpected)
+    return model, tensors
+
+
+def logits(model, arch: str) -> np.ndarray:
+    import torch
+
+    spec = hf_weights.LLAMA if arch == "llama" else hf_weights.GEMMA
+    toks = torch.from_numpy(hf_weights.tokens(spec).astype(np.int64))
+    with torch.no_grad():
+        return model(toks).logits.float().numpy()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save-pretrained", type=Path)
+    p.add_argument("--check", type=Path)
+    args = p.parse_args()
+    if args.check:
+        import transformers
+
+        model = transformers.LlamaForCausalLM.from_pretrained(args.check).float().eval()
+        got = logits(model, "llama")
+        want = np.load(HERE / "hf_llama.npz")["logits"]
+        print(f"max |logits - stored| = {np.abs(got - want).max():.3g}")
+        return
+    for arch in ("llama", "gemma"):
+        model, tensors = build(arch)
+        spec = hf_weights.LLAMA if arch == "llama" else hf_weights.GEMMA
+        out = logits(model, arch)
+        np.savez(
+            HERE / f"hf_{arch}.npz",
+            tokens=hf_weights.tokens(spec),
+            logits=out.astype(np.float32),
+            checksum=np.float64(hf_weights.checksum(tensors)),
+        )
+        (HERE / f"hf_{arch}.json").write_text(model.config.to_json_string())
+        if args.save_pretrained:
+            model.save_pretrained(args.save_pretrained / arch, max_shard_size="100KB")
+        print(arch, out.shape, float(np.abs(out).max()))
+
+
+if __name__ == "__main__":
+    main()

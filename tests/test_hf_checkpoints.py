@@ -1,0 +1,271 @@
+"""Hugging Face checkpoints into examples/decoder.py and Flax's Gemma, checked against the
+logits ``transformers`` itself computed (tests/data/make_hf.py stored them; no torch here).
+
+The checkpoints are written here as ``transformers`` writes them (its tensor names, Linear
+weights ``[out, in]``, files cut by size with ``model.safetensors.index.json``) with the
+``safetensors`` package, from the weights of tests/data/hf_weights.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import dtensor
+import strategies
+from dtensor.checkpoint import load_safetensors, save_safetensors
+from examples.decoder import Decoder, from_hf_config, hf_mapping, tensor_rules
+from tests.data import hf_weights
+
+DATA = Path(__file__).resolve().parent / "data"
+ARCH = {"llama": hf_weights.LLAMA, "gemma": hf_weights.GEMMA}
+
+
+def write_hf(folder: Path, arch: str, *, files: int = 3) -> dict[str, np.ndarray]:
+    """The tiny model's checkpoint as transformers lays it out: ``files`` shards + index."""
+    tensors = hf_weights.weights(ARCH[arch])
+    names = list(tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, part in enumerate(np.array_split(np.arange(len(names)), files)):
+        fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        save_file(
+            {names[j]: tensors[names[j]] for j in part}, str(folder / fname), {"format": "pt"}
+        )
+        weight_map.update({names[j]: fname for j in part})
+    total = sum(v.nbytes for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text((DATA / f"hf_{arch}.json").read_text())
+    return tensors
+
+
+def stored(arch: str) -> dict[str, np.ndarray]:
+    got = dict(np.load(DATA / f"hf_{arch}.npz"))
+    tensors = hf_weights.weights(ARCH[arch])
+    assert float(got["checksum"]) == pytest.approx(hf_weights.checksum(tensors), rel=1e-12), (
+        "tests/data/hf_weights.py no longer makes the weights the stored logits are for: "
+        "rerun tests/data/make_hf.py (see its docstring)"
+    )
+    return got
+
+
+# ------------------------------------------------------- a NumPy reference forward
+def _rms(x, w, eps, gemma):
+    y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+    return y * ((1.0 + w) if gemma else w)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def reference_logits(tensors: dict[str, np.ndarray], config: dict, tokens: np.ndarray):
+    """Hugging Face's Llama / Gemma forward in float64 NumPy: RMSNorm, RoPE by rotate_half,
+    grouped KV heads, causal softmax attention, gated MLP (SiLU / tanh GELU)."""
+    t = {k: v.astype(np.float64) for k, v in tensors.items()}
+    gemma = config["model_type"] == "gemma"
+    d, h, k = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hd, eps, base = config["head_dim"], config["rms_norm_eps"], config["rope_theta"]
+    b, s = tokens.shape
+    x = t["model.embed_tokens.weight"][tokens]
+    if gemma:
+        x = x * np.sqrt(d)
+    inv = 1.0 / base ** (np.arange(0, hd, 2) / hd)
+    angle = np.arange(s)[:, None] * inv[None, :]
+    cos = np.cos(np.concatenate([angle, angle], -1))[None, :, None, :]
+    sin = np.sin(np.concatenate([angle, angle], -1))[None, :, None, :]
+    mask = np.tril(np.ones((s, s), bool))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = _rms(x, t[p + "input_layernorm.weight"], eps, gemma)
+        q = (y @ t[p + "self_attn.q_proj.weight"].T).reshape(b, s, h, hd)
+        kk = (y @ t[p + "self_attn.k_proj.weight"].T).reshape(b, s, k, hd)
+        v = (y @ t[p + "self_attn.v_proj.weight"].T).reshape(b, s, k, hd)
+        q, kk = q * cos + _rotate_half(q) * sin, kk * cos + _rotate_half(kk) * sin
+        kk, v = np.repeat(kk, h // k, axis=2), np.repeat(v, h // k, axis=2)
+        scores = np.einsum("bqhd,bshd->bhqs", q, kk) / np.sqrt(hd)
+        scores = np.where(mask, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        ctx = np.einsum("bhqs,bshd->bqhd", probs, v).reshape(b, s, h * hd)
+        x = x + ctx @ t[p + "self_attn.o_proj.weight"].T
+        y = _rms(x, t[p + "post_attention_layernorm.weight"], eps, gemma)
+        g = y @ t[p + "mlp.gate_proj.weight"].T
+        if gemma:
+            act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+        else:
+            act = g / (1 + np.exp(-g))
+        x = x + (act * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    x = _rms(x, t["model.norm.weight"], eps, gemma)
+    head = t["model.embed_tokens.weight"] if gemma else t["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_numpy_reference_forward_gives_transformers_logits(arch):
+    want = stored(arch)
+    config = json.loads((DATA / f"hf_{arch}.json").read_text())
+    config["rope_theta"] = config.get("rope_theta", config["rope_parameters"]["rope_theta"])
+    got = reference_logits(hf_weights.weights(ARCH[arch]), config, want["tokens"])
+    np.testing.assert_allclose(got, want["logits"], atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------- the decoder under the presets
+def _logits(strategy, model, tokens):
+    reps = strategy.num_replicas_in_sync
+    batch = np.tile(tokens, (-(-reps // len(tokens)), 1))[: max(reps, len(tokens))]
+    out = strategy.run(lambda m, t: m(t), args=(model, batch))
+    return np.asarray(out)[: len(tokens)]
+
+
+def _layouts(model):
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model).to_pure_dict())
+    return {jax.tree_util.keystr(p): dtensor.fetch_layout(v) for p, v in leaves}
+
+
+CASES = {
+    "llama-fsdp": ("llama", False, lambda cfg: strategies.FullyShardedStrategy(min_shard_bytes=0)),
+    "llama-tensor2-scan": (
+        "llama",
+        True,
+        lambda cfg: strategies.HybridStrategy(fsdp=2, tensor=2, rules=tensor_rules(cfg)),
+    ),
+    "gemma-tensor2": (
+        "gemma",
+        False,
+        lambda cfg: strategies.HybridStrategy(tensor=2, rules=tensor_rules(cfg)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoder_loaded_under_a_preset_gives_transformers_logits_and_saves_the_same(case, tmp_path):
+    arch, scan, make = CASES[case]
+    tensors = write_hf(tmp_path / "hf", arch)
+    cfg = from_hf_config(tmp_path / "hf", attention="xla", scan=scan)
+    strategy = make(cfg)
+    model = strategy.create(lambda: Decoder(cfg, rngs=nnx.Rngs(7)))
+    before = _layouts(model)
+    stats: dict = {}
+    assert load_safetensors(tmp_path / "hf", model, mapping=hf_mapping(cfg), stats=stats) is model
+    assert stats["bytes_read"] == sum(v.nbytes for v in tensors.values())
+    assert _layouts(model) == before  # filled in the preset's layouts
+    want = stored(arch)
+    np.testing.assert_allclose(
+        _logits(strategy, model, want["tokens"]), want["logits"], atol=1e-4, rtol=0
+    )
+    # Written back tensor by tensor under the same names: the same bytes, as transformers reads.
+    save_safetensors(tmp_path / "out", model, mapping=hf_mapping(cfg), max_shard_size="100KB")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    back = {}
+    for f in set(index["weight_map"].values()):
+        back.update(load_file(tmp_path / "out" / f))
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
+
+
+def test_from_hf_config_reads_transformers_configs_and_refuses_what_the_decoder_lacks():
+    llama = from_hf_config(DATA / "hf_llama.json")
+    assert (llama.block, llama.heads, llama.kv_heads, llama.head_dim, llama.tied) == (
+        "llama",
+        4,
+        2,
+        16,
+        False,
+    )
+    gemma = from_hf_config(json.loads((DATA / "hf_gemma.json").read_text()))
+    assert gemma.block == "gemma" and gemma.tied
+    base = json.loads((DATA / "hf_llama.json").read_text())
+    with pytest.raises(ValueError, match=r"attention_bias=True: the decoder's projections"):
+        from_hf_config({**base, "attention_bias": True})
+    with pytest.raises(ValueError, match=r"model_type='gpt2'; from_hf_config reads"):
+        from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.warns(UserWarning, match=r"RoPE scaling"):
+        from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    moe = from_hf_config(
+        {**base, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    )
+    names = hf_mapping(moe.replace(scan=True)).checkpoint_names("layers/moe/experts/up", (2, 4))
+    assert names[:2] == [
+        "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+    ]
+
+
+# ------------------------------------------------------------- Flax's own Gemma
+def test_flax_gemma_example_loads_hugging_face_gemma3_names_and_saves_them_back(tmp_path):
+    from benchmarks import flax_gemma_model as fg
+    from benchmarks import third_party
+    from examples.hf import flax_gemma_mapping
+
+    try:
+        third_party.gemma_dir()
+    except third_party.MissingThirdParty as err:
+        pytest.skip(str(err))
+    fcfg = fg.config("tiny")
+    transformer, _, _ = fg.flax_gemma()
+    rng = np.random.default_rng(3)
+    d, h, k, hd, f = (
+        fcfg.embed_dim,
+        fcfg.num_heads,
+        fcfg.num_kv_heads,
+        fcfg.head_dim,
+        fcfg.hidden_dim,
+    )
+    shapes = {"model.embed_tokens.weight": (fcfg.num_embed, d), "model.norm.weight": (d,)}
+    for i in range(fcfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (h * hd, d),
+                p + "self_attn.k_proj.weight": (k * hd, d),
+                p + "self_attn.v_proj.weight": (k * hd, d),
+                p + "self_attn.o_proj.weight": (d, h * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "pre_feedforward_layernorm.weight": (d,),
+                p + "post_feedforward_layernorm.weight": (d,),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
+    tensors = {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    mesh = dtensor.create_mesh([("fsdp", 8)])
+    abstract = nnx.eval_shape(lambda: transformer.Transformer(fcfg, rngs=nnx.Rngs(0)))
+    with mesh:
+        model = load_safetensors(tmp_path, abstract, mapping=flax_gemma_mapping(fcfg))
+    attn = model.layers[1].attn
+    q = np.asarray(attn.q_einsum.kernel.get_value())  # [heads, d, head_dim]
+    np.testing.assert_array_equal(
+        q, tensors["model.layers.1.self_attn.q_proj.weight"].reshape(h, hd, d).transpose(0, 2, 1)
+    )
+    kv = np.asarray(attn.kv_einsum.kernel.get_value())  # [2, kv_heads, d, head_dim]
+    v = tensors["model.layers.1.self_attn.v_proj.weight"].reshape(k, hd, d).transpose(0, 2, 1)
+    np.testing.assert_array_equal(kv[1], v)
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    mask = np.ones(tokens.shape, bool)
+    logits, _ = model(
+        tokens,
+        transformer.build_positions_from_mask(mask),
+        None,
+        transformer.make_causal_attn_mask(mask),
+    )
+    assert np.isfinite(np.asarray(logits)).all()
+    save_safetensors(tmp_path / "back", model, mapping=flax_gemma_mapping(fcfg))
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(tensors)
+    assert all(back[n].tobytes() == tensors[n].tobytes() for n in tensors)
+    assert jax.tree.leaves(nnx.state(model))  # a filled model, not an abstract one
