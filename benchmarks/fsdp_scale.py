@@ -44,6 +44,7 @@ from .fsdp_tables import (
     MAXTEXT_ORDER,
     MAXTEXT_ROWS,
     OPTION_TEXT,
+    compact,
     markdown,
     results_name,
     side_by_side,
@@ -380,13 +381,18 @@ def main(argv: list[str] | None = None) -> None:
         metavar="TOPOLOGY",
         help="print the results file's rows for TOPOLOGY as a Markdown table (compiles nothing; "
         "GPU topologies read fsdp_scale_gpu.json; 'maxtext': the side by side with MaxText; "
-        "'slices': the rows on several slices, with what crosses DCN)",
+        "'slices': the rows on several slices, with what crosses DCN; 'compact': the README's "
+        "one row a model against MaxText)",
     )
     args = p.parse_args(argv)
     if args.markdown:
         side = (args.out or common.RESULTS) / "maxtext_side.json"  # MaxText's floors
         theirs = json.loads(side.read_text()) if side.exists() else None
-        mine = {"maxtext": lambda p: side_by_side(p, theirs), "slices": slices_table}
+        mine = {
+            "maxtext": lambda p: side_by_side(p, theirs),
+            "slices": slices_table,
+            "compact": lambda p: compact(p, theirs or {"rows": []}),
+        }
         name = "fsdp_scale" if args.markdown in mine else results_name([args.markdown])
         payload = json.loads(((args.out or common.RESULTS) / f"{name}.json").read_text())
         printer = mine.get(args.markdown)

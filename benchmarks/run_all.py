@@ -1,5 +1,7 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
-coordinator, tpu_presets, gpu_presets, fsdp_scale and flax_gemma (skipped with ``--quick``).
+coordinator, checkpoint_verify, tpu_presets, gpu_presets, fsdp_scale, flax_gemma, experts,
+long_context and pipeline (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
+extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv).
 
     python -m benchmarks.run_all [--quick] [--out DIR]
 
@@ -29,14 +31,27 @@ def main(argv: list[str] | None = None) -> None:
     peers.main([*(QUICK_TIMED if args.quick else []), *out])
     plot.main(["--results", str(args.out or common.RESULTS)])
     if not args.quick:
-        from . import coordinator, experts, flax_gemma, fsdp_scale, gpu_presets, tpu_presets
+        from . import (
+            checkpoint_verify,
+            coordinator,
+            experts,
+            flax_gemma,
+            fsdp_scale,
+            gpu_presets,
+            long_context,
+            pipeline,
+            tpu_presets,
+        )
 
         coordinator.main(["--out", str((args.out or common.RESULTS) / "coordinator.json")])
+        checkpoint_verify.main(out)
         tpu_presets.main(out)
         gpu_presets.main(out)
         fsdp_scale.main(out)
         flax_gemma.main(out)
         experts.main(out)
+        long_context.main(out)
+        pipeline.main(out)
 
 
 if __name__ == "__main__":

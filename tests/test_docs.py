@@ -34,6 +34,7 @@ GUIDES = [
     "migrating_pytorch",
     "multi_process",
     "checkpoints",
+    "failure_handling",
     "explain",
 ]
 # Attributes tf.distribute's objects have that ours set per instance.

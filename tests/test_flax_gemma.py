@@ -111,7 +111,7 @@ def test_tiny_compiles_for_tpu_with_bf16_compute_and_remat():
     assert result.report.step_time_floor_seconds
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/guides/large_models.md"])
+@pytest.mark.parametrize("doc", ["docs/guides/large_models.md"])
 def test_docs_show_the_flax_gemma_table_from_its_json(doc, capsys):
     flax_gemma.main(["--markdown"])
     table = capsys.readouterr().out.strip().splitlines()

@@ -1,4 +1,5 @@
-"""The README's Python blocks run as written and print what the README says they print."""
+"""The README's Python blocks run as written and print what the README says they print
+(and the partial-values block the README's layouts section links to, in the layouts guide)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import pytest
 
 import dtensor
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+LAYOUTS = re.findall(
+    r"```python\n(.*?)```", (ROOT / "docs/guides/layouts.md").read_text(), flags=re.S
+)
 
 
 def _run(block: str, capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], list[str]]:
@@ -63,6 +68,9 @@ def _partial(ns: dict[str, Any], out: list[str]) -> None:
 CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
     "strategy = strategies.FullyShardedStrategy(min_shard_bytes=0)": _quickstart,
     'layout = dtensor.Layout(["batch", dtensor.UNSHARDED], mesh)': _layouts,
+}
+# The layouts guide's block (moved there from the README).
+GUIDE_CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
     "partial = dtensor.pack(": _partial,
 }
 
@@ -71,11 +79,11 @@ def _check_for(block: str) -> Callable[[dict[str, Any], list[str]], None] | None
     return next((check for marker, check in CHECKS.items() if marker in block), None)
 
 
-@pytest.mark.parametrize("marker", sorted(CHECKS))
+@pytest.mark.parametrize("marker", sorted(CHECKS) + sorted(GUIDE_CHECKS))
 def test_readme_block_prints_what_the_readme_says(marker, capsys):
-    (block,) = [b for b in BLOCKS if marker in b]
+    (block,) = [b for b in (BLOCKS if marker in CHECKS else LAYOUTS) if marker in b]
     namespace, out = _run(block, capsys)
-    CHECKS[marker](namespace, out)
+    {**CHECKS, **GUIDE_CHECKS}[marker](namespace, out)
 
 
 def test_every_readme_python_block_is_checked():
