@@ -202,6 +202,14 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         action="store_true",
         help="print one JSON object with the run's results on stdout, nothing else",
     )
+    p.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="fine-tune a pretrained Hugging Face checkpoint (a folder with config.json and "
+        "safetensors files, local or gs://; Llama, Mistral, Gemma...) instead of the "
+        "character-level model: examples/decoder.py built from its config, each process "
+        "reading only its slices of the weights",
+    )
     return p.parse_args(argv)
 
 

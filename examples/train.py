@@ -15,6 +15,11 @@ communication and memory, checkpoints through the preemption handler (Ctrl-C
 or SIGTERM saves model, optimizer and the pipeline's position, and exits;
 running again resumes all three), a loss curve and a generated sample.
 
+``--init-from PATH`` fine-tunes a pretrained Hugging Face checkpoint (``config.json`` and
+``*.safetensors``, a local folder or ``gs://``) instead: ``examples/decoder.py`` built from
+its config in the preset's layouts, each process reading only its slices of the weights
+(its vocabulary must cover the corpus's 128 ASCII codes).
+
 ``--out`` takes a directory or a bucket URL: with ``--out gs://BUCKET/run``
 the checkpoints, the loss curve and ``results.json`` live in the bucket (try it
 without a cloud account against ``gcp-storage-emulator``; see the README).
@@ -263,6 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     strategy = strategies.from_name(args.strategy)
     dim, layers, heads, mlp, seq = SIZES[args.model_size]
     seq = args.seq_len or seq
+    pretrained = None
+    if args.init_from:
+        decoder = decoder_module()
+        pretrained = decoder.from_hf_config(args.init_from, attention="xla")
+        dim, layers, heads = pretrained.d_model, pretrained.layers, pretrained.heads
+        if pretrained.vocab < VOCAB:
+            console.print(
+                f"[red]--init-from {args.init_from}: its vocabulary of {pretrained.vocab} does not cover the corpus's {VOCAB} ASCII codes."
+            )
+            return 2
     if args.batch_size % strategy.num_replicas_in_sync:
         console.print(
             f"[red]--batch-size {args.batch_size} does not divide over {strategy.num_replicas_in_sync} replicas."
@@ -282,9 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
 
-    CharLM = make_model_cls()
     with strategy.scope():
-        model = CharLM(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
+        if pretrained is not None:
+            model = strategy.create(lambda: decoder.Decoder(pretrained, rngs=nnx.Rngs(args.seed)))
+            dtensor.checkpoint.load_safetensors(
+                args.init_from, model, mapping=decoder.hf_mapping(pretrained)
+            )
+            console.print(f"loaded the pretrained weights of {args.init_from}")
+        else:
+            model = make_model_cls()(dim, layers, heads, mlp, seq, rngs=nnx.Rngs(args.seed))
         optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
 
     from dtensor.core.visualize import device_grid
@@ -300,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             width=console.width,
         )
     )
-    console.print(dtensor.visualize(model.blocks[0].up.kernel.get_value(), show=False))
+    first = model.blocks[0].mlp.up if pretrained is not None else model.blocks[0].up.kernel
+    console.print(dtensor.visualize(first.get_value(), show=False))
 
     example = text_data.batch_for_step(data, 0, args.batch_size, seq, args.seed)
     report = strategy.explain(train_step, args=(model, optimizer, example))
@@ -415,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_comm_bytes_per_device": report.min_comm_bytes_per_device,
             "state_bytes_per_device": report.state_bytes_per_device,
             "checkpoints": str(ckpt_dir),
+            "init_from": args.init_from,
             "sample": sample,
         }
         (run_dir / "results.json").write_text(json.dumps(summary, sort_keys=True, indent=1))

@@ -269,3 +269,24 @@ def test_flax_gemma_example_loads_hugging_face_gemma3_names_and_saves_them_back(
     assert sorted(back) == sorted(tensors)
     assert all(back[n].tobytes() == tensors[n].tobytes() for n in tensors)
     assert jax.tree.leaves(nnx.state(model))  # a filled model, not an abstract one
+
+
+# ------------------------------------------------------------ train.py --init-from
+@pytest.mark.slow
+def test_train_py_fine_tunes_from_a_hugging_face_checkpoint(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    write_hf(tmp_path / "hf", "llama")
+    cmd = [sys.executable, str(root / "examples" / "train.py"), "--init-from", str(tmp_path / "hf")]
+    cmd += ["--strategy", "fully_sharded", "--steps", "3", "--seq-len", "16", "--batch-size", "8"]
+    cmd += ["--out", str(tmp_path / "run"), "--fresh", "--sample-chars", "2", "--json"]
+    cmd += ["--save-every", "0"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["init_from"] == str(tmp_path / "hf")
+    assert result["steps"] == 3 and result["loss_last"] < result["loss_first"]
