@@ -17,6 +17,7 @@ from strategies.partitioners import MaxSizePartitioner as MaxSizePartitioner
 from strategies.partitioners import MinSizePartitioner as MinSizePartitioner
 from strategies.presets.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from strategies.presets.fsdp import FullyShardedStrategy as FullyShardedStrategy
+from strategies.presets.hybrid import HybridStrategy as HybridStrategy
 from strategies.presets.layout_strategy import LayoutStrategy as LayoutStrategy
 from strategies.presets.mirrored import MirroredStrategy as MirroredStrategy
 from strategies.presets.multi_worker_mirrored import (
@@ -24,7 +25,6 @@ from strategies.presets.multi_worker_mirrored import (
 )
 from strategies.presets.one_device import OneDeviceStrategy as OneDeviceStrategy
 from strategies.presets.parameter_server import ParameterServerStrategy as ParameterServerStrategy
-from strategies.presets.tensor_parallel import HybridStrategy as HybridStrategy
 from strategies.presets.tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
 from strategies.presets.tpu import TPUStrategy as TPUStrategy
 from strategies.reads.mixed_precision import MixedPrecision as MixedPrecision

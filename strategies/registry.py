@@ -12,12 +12,13 @@ from strategies.base import Strategy
 from strategies.partitioners import FixedShardsPartitioner
 from strategies.presets.central_storage import CentralStorageStrategy
 from strategies.presets.fsdp import FullyShardedStrategy
+from strategies.presets.hybrid import HybridStrategy
 from strategies.presets.layout_strategy import LayoutStrategy
 from strategies.presets.mirrored import MirroredStrategy
 from strategies.presets.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from strategies.presets.one_device import OneDeviceStrategy
 from strategies.presets.parameter_server import ParameterServerStrategy
-from strategies.presets.tensor_parallel import HybridStrategy, TensorParallelStrategy
+from strategies.presets.tensor_parallel import TensorParallelStrategy
 from strategies.presets.tpu import TPUStrategy
 
 __all__ = ["PRESET_NAMES", "describe_presets", "from_name"]
