@@ -191,6 +191,13 @@ def measure(size: str, topology: str, option: str, batch: int, seq: int) -> dict
         mesh=report.mesh,
         libtpu=_libtpu(),
     )
+    if topology != "cpu":
+        from dtensor.tpu.slices import SliceError, describe_slice
+
+        try:  # the slice as compiled: Cloud TPU's name, grid and links
+            row["slice"] = str(describe_slice(split_slices(topology)[0]))
+        except SliceError:
+            pass
     return row
 
 

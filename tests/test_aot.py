@@ -56,7 +56,7 @@ def test_cli_prints_the_demo_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     for needle in (
-        "v5e:4x4 = 16 TPU v5 lite devices",
+        "v5litepod-16 (v5e:4x4, 16 chips, no wraparound links) = 16 TPU v5 lite devices",
         "Mesh(fsdp=16)",
         "memory per chip",
         "HBM of a v5e chip",
@@ -105,7 +105,7 @@ def test_errors(tmp_path, capsys):
     assert aot.main(["--topology", "v5e:4x4", "--", str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert aot.main(["--topology", "v7x:1x1", "--", DEMO]) == 2
-    assert "not a topology libtpu can describe" in capsys.readouterr().err
+    assert "unknown TPU generation 'v7x'" in capsys.readouterr().err
     assert aot.main(["--topology", "v5e:4x4"]) == 2
     assert "give the training script" in capsys.readouterr().err
     # The script's own checks come back as a usage error too.

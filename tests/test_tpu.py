@@ -47,7 +47,7 @@ def test_tpu_topology_devices():
     assert [d.slice_index for d in two] == [0] * 16 + [1] * 16
 
     v4 = dtensor.tpu_topology("v4:2x2x2")
-    assert len(v4) == 16 and {d.core_on_chip for d in v4} == {0, 1}  # 8 chips, 2 cores each
+    assert len(v4) == 8 and {d.core_on_chip for d in v4} == {0}  # 8 chips, megacore as on a VM
     assert chip_generation(v4) == "v4" and chip_generation(devices) == "v5e"
     assert chip_generation(dtensor.tpu_topology("v5p:2x2x2")) == "v5p"
     assert chip_generation(jax.devices()) is None
@@ -55,19 +55,19 @@ def test_tpu_topology_devices():
 
 def test_tpu_topology_errors():
     with pytest.raises(
-        TopologyError, match=r"'v9:4x4'.* not a topology libtpu can describe .*e\.g\. 'v5e:4x4'"
+        TopologyError, match=r"'v9:4x4'\): unknown TPU generation 'v9'.*Examples: 'v5p-128'"
     ):
         dtensor.tpu_topology("v9:4x4")
-    with pytest.raises(TopologyError, match=r"'v5e:3x3'.*not divisible.*'v4:2x2x2'"):
+    with pytest.raises(TopologyError, match=r"'v5e:3x3'.*not divisible.*'v5p-128'"):
         dtensor.tpu_topology("v5e:3x3")
-    with pytest.raises(TopologyError, match=r"'4x4'.*does not match regex"):
+    with pytest.raises(TopologyError, match=r"'4x4'\) is not a TPU slice name.*'v5p-128'"):
         dtensor.tpu_topology("4x4")
     with pytest.raises(
         TopologyError, match=r"num_slices=0\): num_slices must be a positive integer"
     ):
         dtensor.tpu_topology("v5e:4x4", num_slices=0)
     with pytest.raises(
-        TopologyError, match=r"name=None\): the name must be a string such as 'v5e:4x4'"
+        TopologyError, match=r"name=None\): the name must be a string such as 'v5p-128'"
     ):
         dtensor.tpu_topology(None)  # type: ignore[arg-type]
 
@@ -133,7 +133,12 @@ def test_usable_hbm_is_what_the_tpu_compiler_allows():
     """The fit verdict's limit per chip is libtpu's own "available HBM", not the chip's HBM."""
     from dtensor.analysis.memory import USABLE_HBM_GIB
 
-    for topology, chip in (("v5e:2x2", "v5e"), ("v5p:2x2x1", "v5p"), ("v6e:2x2", "v6e")):
+    for topology, chip in (
+        ("v5e:2x2", "v5e"),
+        ("v5p:2x2x1", "v5p"),
+        ("v6e:2x2", "v6e"),
+        ("v4:2x2x1", "v4"),
+    ):
         devices = dtensor.tpu_topology(topology)[:1]
         mesh = jax.sharding.Mesh(devices, ("x",))
         x = jax.ShapeDtypeStruct(
@@ -198,10 +203,8 @@ def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
         assert state >= report.state_bytes_per_device > 0
         fit = report.memory_fit
         assert fit is not None and fit.fits and fit.chip == topology.split(":")[0], name
-        # The two TensorCores of a v4 chip share its HBM (one_device uses one of them).
-        assert fit.devices_per_chip == (
-            2 if topology.startswith("v4") and name != "one_device" else 1
-        )
+        # One device a chip: v4 runs megacore, as on a Cloud TPU VM.
+        assert fit.devices_per_chip == 1
         assert report.ici_bytes_per_device is not None and report.dcn_bytes_per_device is not None
         assert report.ici_bytes_per_device + report.dcn_bytes_per_device == pytest.approx(
             report.comm_bytes_per_device

@@ -52,7 +52,7 @@ class Chip:
     ``ici_bytes_per_s`` what one chip can send at once over its ICI links
     (half the bidirectional figure); ``dcn_bytes_per_s`` its share of the
     hosts' data-centre network (``None`` where none is published);
-    ``usable_hbm_gib`` what the compiler lets one program use per device;
+    ``usable_hbm_gib`` what the compiler lets one program use per chip;
     ``networks`` the names of the two networks (``("NVLink", "IB")`` for a
     GPU: within a host, between hosts).
     """
@@ -66,14 +66,14 @@ class Chip:
     networks: tuple[str, str] = ("ICI", "DCN")
 
 
-_V4 = Chip("v4", 275e12, 32, 15.25, 300 * GB, None)
+_V4 = Chip("v4", 275e12, 32, 30.75, 300 * GB, None)
 _V5E = Chip("v5e", 197e12, 16, 15.75, 200 * GB, 25e9 / 8)
 _V5P = Chip("v5p", 459e12, 95, 95.74, 600 * GB, 50e9 / 8)
 _V6E = Chip("v6e", 918e12, 32, 31.25, 400 * GB, 100e9 / 8)
 
 #: ``device_kind`` -> :class:`Chip`. The usable HBM is the "available HBM" of the TPU
-#: compiler's out-of-memory error (libtpu 0.0.42; the rest is reserved), per device
-#: (a v4 chip's TensorCore).
+#: compiler's out-of-memory error (libtpu 0.0.42; the rest is reserved), per chip: one
+#: device a chip as Cloud TPU VMs run v4 and v5p (megacore; :func:`dtensor.tpu_topology`).
 CHIPS: dict[str, Chip] = {
     "TPU v4": _V4,
     "TPU v5 lite": _V5E,

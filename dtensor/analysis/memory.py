@@ -276,7 +276,7 @@ def memory_fit(
     gpu = gpu_spec(list(devices))
     if chip is not None:
         per_chip = _devices_per_chip(list(devices))
-        hbm, usable = int(CHIP_HBM_GIB[chip] * GIB), int(USABLE_HBM_GIB[chip] * GIB) * per_chip
+        hbm, usable = int(CHIP_HBM_GIB[chip] * GIB), int(USABLE_HBM_GIB[chip] * GIB)
     elif gpu is not None:
         chip, per_chip = gpu.name, 1
         hbm, usable = gpu.hbm_bytes, int(gpu.hbm_bytes * memory_fraction())

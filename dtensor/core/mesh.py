@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-__all__ = ["Mesh", "MeshError", "arrange_devices", "create_mesh", "current_mesh"]
+__all__ = ["Mesh", "MeshError", "arrange_devices", "create_mesh", "current_mesh", "mesh_of"]
 
 AxisTypes = Literal["auto", "explicit"]
 
@@ -291,9 +291,14 @@ def create_mesh(
     Args:
         mesh_dims: axis names and sizes, outermost first; one size may be ``-1``
             (inferred from the number of devices).
-        devices: the devices to use, in mesh order; defaults to all devices
-            (``jax.devices()``), arranged topology-aware on TPU. When the mesh
-            is smaller than ``devices``, the first ones are used.
+        devices: the devices to use; defaults to all devices
+            (``jax.devices()``). Devices that fill the mesh are arranged
+            topology-aware on TPU, as ``mesh_utils.create_device_mesh``
+            arranges them on a real VM, given or not (so a mesh over
+            :func:`dtensor.tpu_topology` devices compiles the program a real
+            slice compiles); on other platforms, and when the mesh is smaller
+            than ``devices`` (the first ones are used, with a warning on TPU),
+            the given order is mesh order.
         axis_types: ``"auto"`` (default; ordinary Flax/optax code works) or
             ``"explicit"`` (sharding in types; for models with ``out_sharding=``
             annotations).
@@ -328,11 +333,29 @@ def create_mesh(
             "Make the axes smaller, use -1 for one size, or (on CPU) simulate more devices "
             "with jax.config.update('jax_num_cpu_devices', N) before JAX starts."
         )
+    # Devices that fill the mesh (all of jax.devices(), or all those given) are
+    # arranged as a real VM arranges them (topology-aware on TPU, whether given or
+    # not: tpu_topology's devices come in host order, not ring order). A mesh over
+    # the first of more devices keeps their order.
+    full = len(device_list) == need
+    if not full and explicit_devices and getattr(device_list[0], "platform", None) == "tpu":
+        warnings.warn(
+            f"create_mesh: mesh {dict(dims)} uses the first {need} of the {len(device_list)} "
+            "TPU devices given, in the order given (not arranged as on a real VM, where "
+            "mesh neighbours are neighbouring chips). Pass exactly the mesh's devices to have "
+            "them arranged, or all of a slice's.",
+            UserWarning,
+            stacklevel=2,
+        )
     device_list = device_list[:need]
-    full = not explicit_devices and len(device_list) == len(jax.devices())
     arr = arrange_devices(shape, device_list, topology_aware=full)
-    types = (_axis_type(axis_types),) * len(dims)
-    return Mesh(jax.sharding.Mesh(arr, tuple(n for n, _ in dims), axis_types=types))
+    return mesh_of(arr, tuple(n for n, _ in dims), axis_types=axis_types)
+
+
+def mesh_of(arr: np.ndarray, names: tuple[str, ...], *, axis_types: AxisTypes = "auto") -> Mesh:
+    """A :class:`Mesh` over an already arranged device array, in exactly that order."""
+    types = (_axis_type(axis_types),) * len(names)
+    return Mesh(jax.sharding.Mesh(arr, names, axis_types=types))
 
 
 def arrange_devices(
@@ -345,7 +368,10 @@ def arrange_devices(
     """``devices`` as an array of ``shape``: topology-aware on TPU, in the given order elsewhere.
 
     On TPU, JAX's ``mesh_utils.create_device_mesh`` places neighbouring mesh
-    positions on neighbouring chips. When it cannot lay ``shape`` over these
+    positions on neighbouring chips, as on a real VM; devices of several slices
+    go through ``create_hybrid_device_mesh``, the outermost axis that divides by
+    the slice count spanning the slices (use
+    :func:`dtensor.create_distributed_mesh` to choose the axis). When it cannot lay ``shape`` over these
     devices, a ``UserWarning`` names the reason and the order used instead (the
     given one). Other platforms have no topology: the given order, silently.
 
@@ -361,8 +387,30 @@ def arrange_devices(
         return arr.reshape(shape)
     from jax.experimental import mesh_utils
 
+    def arrange(split: bool) -> np.ndarray:
+        slices = len({getattr(d, "slice_index", 0) for d in devices})
+        if slices == 1:
+            return mesh_utils.create_device_mesh(
+                shape, list(devices), allow_split_physical_axes=split
+            )
+        # Several slices: the outermost axis that divides by the slice count spans them
+        # (slice-major, as the given order has it), each slice arranged within.
+        axis = next((i for i, n in enumerate(shape) if n % slices == 0), None)
+        if axis is None:
+            raise ValueError(f"no mesh axis is a multiple of the {slices} slices")
+        ici = tuple(n // slices if i == axis else n for i, n in enumerate(shape))
+        dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, list(devices), allow_split_physical_axes=split
+        )
+
     try:
-        return mesh_utils.create_device_mesh(shape, list(devices))
+        try:
+            return arrange(split=False)
+        except NotImplementedError:
+            # An axis that is no product of whole chip-grid sides (8 over a 4x4 grid):
+            # split a side, as jax.make_mesh does on v5e.
+            return arrange(split=True)
     except Exception as e:  # noqa: BLE001 - any failure of the arrangement is reported below
         warnings.warn(
             f"{caller}: JAX's topology-aware arrangement (mesh_utils.create_device_mesh) cannot "

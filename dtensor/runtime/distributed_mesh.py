@@ -25,6 +25,7 @@ from dtensor.core.mesh import (
     MeshError,
     arrange_devices,
     create_mesh,
+    mesh_of,
     resolve_sizes,
 )
 
@@ -166,8 +167,7 @@ def create_distributed_mesh(
     for i, idx in enumerate(np.ndindex(*dcn_shape)):
         blocks[idx] = inner[i]
     arr = np.block(blocks.tolist())  # group-major along every axis, as mesh_utils does
-    sizes_full = [(n, a * b) for (n, a), (_, b) in zip(ici, dcn, strict=True)]
-    return create_mesh(sizes_full, list(np.asarray(arr, dtype=object).flat), axis_types=axis_types)
+    return mesh_of(np.asarray(arr, dtype=object), tuple(names), axis_types=axis_types)
 
 
 def _resolve(dims: list[tuple[str, int]], have: int, arg: str, what: str) -> list[tuple[str, int]]:

@@ -114,7 +114,20 @@ class AotResult:
             "report": self.report.to_dict(),
             "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
             "topology": self.topology,
+            **({"slice": self.slice_text} if self.slice_text else {}),
         }
+
+    @property
+    def slice_text(self) -> str | None:
+        """A TPU slice as Cloud TPU names it: ``v5p-128 (v5p:4x4x4, 64 chips, torus xyz)``."""
+        if self.devices[0].platform != "tpu":
+            return None
+        from dtensor.tpu.slices import SliceError, describe_slice
+
+        try:
+            return str(describe_slice(self.topology))
+        except SliceError:
+            return None
 
 
 def compile_script(
@@ -206,8 +219,9 @@ def summary(result: AotResult, *, title: str = "") -> str:
     else:
         slices = f", {result.num_slices} slices over DCN" if result.num_slices > 1 else ""
     head = title or "dtensor.aot"
+    name = result.slice_text or result.topology
     console.print(
-        f"{head}: {result.topology}{slices} = {len(result.devices)} {d0.device_kind} devices; "
+        f"{head}: {name}{slices} = {len(result.devices)} {d0.device_kind} devices; "
         f"{r.mesh}; compiled by {compiler} in {result.seconds:.1f} s",
         highlight=False,
         soft_wrap=True,
@@ -272,7 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--topology",
         required=True,
-        help="TPU: v5e:4x4, v5e:16x16, v4:2x2x2, v5p:2x2x2; GPU: h100:2x8 (hosts x GPUs per "
+        help="TPU: Cloud TPU's accelerator type (v5p-128, v5litepod-16, v6e-256, v4-128) or a "
+        "generation and chip grid (v5p:4x4x4, v5e:4x4), described as Cloud TPU builds the slice "
+        "(torus links, megacore); GPU: h100:2x8 (hosts x GPUs per "
         "host), h100:2x2x8 (slices x hosts x GPUs); models h100, h200, a100-80gb, b200",
     )
     p.add_argument(

@@ -24,9 +24,11 @@ from typing import Any
 
 import jax.errors
 
-__all__ = ["TopologyError", "tpu_topology"]
+from dtensor.tpu.slices import SliceError, TpuSlice, describe_slice
 
-_EXAMPLES = "'v5e:4x4', 'v5e:16x16', 'v4:2x2x2', 'v5p:2x2x2', 'v6e:4x4'"
+__all__ = ["TopologyError", "tpu_slice", "tpu_topology"]
+
+_EXAMPLES = "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'v5e:4x4', 'v5p:4x4x4'"
 
 
 class TopologyError(ValueError):
@@ -58,14 +60,20 @@ def _quiet_libtpu() -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-@functools.lru_cache(maxsize=32)
-def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
+@functools.lru_cache(maxsize=64)
+def _topology(piece: TpuSlice, num_slices: int) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
+    name = piece.grid_name
     try:
         with _quiet_libtpu():
             desc = topologies.get_topology_desc(
-                platform="tpu", topology_name=name, num_slices=num_slices
+                platform="tpu",
+                topology_name=name,
+                num_slices=num_slices,
+                chip_config_name=piece.chip_config,
+                chips_per_host_bounds=piece.chips_per_host,
+                wrap=piece.wrap,
             )
     except RuntimeError as e:
         if "lockfile" in str(e):
@@ -78,8 +86,8 @@ def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
             detail = str(e).removeprefix("INVALID_ARGUMENT: ")
             raise TopologyError(
                 f"tpu_topology({name!r}, num_slices={num_slices}) is not a topology libtpu "
-                f"can describe ({detail}). Name a generation and its chip grid, e.g. "
-                f"{_EXAMPLES} (v4/v5p grids are 3-D, v5e/v6e 2-D)."
+                f"can describe ({detail}). Name Cloud TPU's accelerator type or a generation "
+                f"and its chip grid, e.g. {_EXAMPLES} (v4/v5p grids are 3-D, v5e/v6e 2-D)."
             ) from None
         raise RuntimeError(
             f"tpu_topology({name!r}) needs libtpu, which is not installed ({e}). Install the "
@@ -89,20 +97,50 @@ def _topology(name: str, num_slices: int) -> tuple[Any, ...]:
     return tuple(desc.devices)
 
 
-def tpu_topology(name: str, *, num_slices: int = 1) -> list[Any]:
-    """The devices of a Cloud TPU topology, from libtpu's compiler (no TPU needed).
+def tpu_slice(name: str, *, wrap: object = None) -> TpuSlice:
+    """The slice Cloud TPU builds for ``name`` (see :mod:`dtensor.tpu.slices`).
 
-    Use them as ``devices=`` anywhere (:func:`dtensor.create_mesh`,
-    :func:`dtensor.create_distributed_mesh`, every preset) to compile for that
-    topology ahead of time; they cannot run anything. Calls with the same
-    arguments return the same device objects.
+    Raises:
+        TopologyError: a name Cloud TPU does not build, or a bad ``wrap``.
+
+    Examples:
+        >>> from dtensor.tpu.topology import tpu_slice
+        >>> s = tpu_slice("v5p-1024")
+        >>> s.grid_name, s.chips, s.wrap
+        ('v5p:8x8x8', 512, (True, True, True))
+    """
+    try:
+        return describe_slice(name, wrap=wrap)
+    except SliceError as e:
+        raise TopologyError(str(e)) from None
+
+
+def tpu_topology(name: str, *, num_slices: int = 1, wrap: object = None) -> list[Any]:
+    """The devices of a Cloud TPU slice as Cloud TPU builds it, from libtpu's compiler.
+
+    No TPU is needed. Use them as ``devices=`` anywhere
+    (:func:`dtensor.create_mesh`, :func:`dtensor.create_distributed_mesh`,
+    every preset) to compile for that slice ahead of time; they cannot run
+    anything. Calls with the same arguments return the same device objects.
+
+    The slice is described as a user rents it (:mod:`dtensor.tpu.slices`):
+    wraparound (torus) links where Cloud TPU has them (v4/v5p slices whose
+    every side is a multiple of 4, v5p-128 and up; the 16-chip sides of
+    v5e/v6e 8x16 and 16x16 slices), one device a chip (megacore) on v4/v5p,
+    2x2x1 chips a host. The links change the program: without them libtpu
+    turns a gather over a 64-chip axis into an all-reduce of a zero-padded
+    buffer.
 
     Args:
-        name: generation and chip grid, as Cloud TPU names them:
-            ``"v5e:4x4"`` (16 chips), ``"v5e:16x16"``, ``"v4:2x2x2"``,
-            ``"v5p:2x2x2"``, ``"v6e:4x4"``.
+        name: Cloud TPU's accelerator type, the name ``gcloud`` takes
+            (``"v5p-128"``, ``"v5litepod-16"`` or ``"v5e-16"``, ``"v6e-256"``,
+            ``"v4-128"``; v4/v5p numbers count TensorCores, 2 a chip), or a
+            generation and chip grid (``"v5p:4x4x4"``, ``"v5e:4x4"``,
+            ``"v4:4x4x8_twisted"``).
         num_slices: how many such slices, joined by DCN (multislice); the
             devices then carry ``slice_index``.
+        wrap: override the torus links (a bool, or one per dimension) for a
+            reservation that differs from Cloud TPU's standard slice.
 
     Returns:
         The devices, slice by slice, each slice host by host.
@@ -120,14 +158,12 @@ def tpu_topology(name: str, *, num_slices: int = 1) -> list[Any]:
         [0, 1]
         >>> dtensor.create_mesh([("data", 2), ("model", 16)], devices=devices)
         Mesh(data=2, model=16)
+        >>> len(dtensor.tpu_topology("v5p-128"))   # 64 chips: a 4x4x4 torus
+        64
     """
-    if not isinstance(name, str) or not name:
-        raise TopologyError(
-            f"tpu_topology(name={name!r}): the name must be a string such as {_EXAMPLES}."
-        )
     if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
         raise TopologyError(
             f"tpu_topology({name!r}, num_slices={num_slices!r}): num_slices must be a positive "
             "integer (1 for one slice, 2+ for multislice over DCN)."
         )
-    return list(_topology(name.strip(), num_slices))
+    return list(_topology(tpu_slice(name, wrap=wrap), num_slices))
