@@ -1,0 +1,243 @@
+"""Attention as einsums (XLA), split over a ``context`` mesh axis: the per-device math.
+
+Each device attends its queries in one of :data:`MODES` (the innermost :func:`context_mode`
+by default): ``"gather"`` (keys and values all-gathered over the axis, :func:`gather_sequence`,
+then :func:`attend`) or ``"ring"`` (:func:`ring_attend`: ``C - 1`` collective permutes, one
+block of scores a step folded into a running softmax; causal attention load-balanced). Every
+exchange runs under the :data:`CONTEXT_SCOPE` name scope, by which ``explain`` counts it.
+These run inside :func:`jax.shard_map`; :func:`dtensor.context_attention` is the entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "CONTEXT_SCOPE",
+    "MODES",
+    "attend",
+    "context_mode",
+    "current_mode",
+    "gather_sequence",
+    "ring_attend",
+]
+
+#: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
+CONTEXT_SCOPE = "context_attention"
+
+#: The modes of :func:`dtensor.context_attention` under a ``context`` axis.
+MODES = ("gather", "ring")
+
+_mode: list[str] = ["gather"]
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+
+
+@contextlib.contextmanager
+def context_mode(mode: str) -> Iterator[None]:
+    """Within the block, :func:`context_attention` defaults to ``mode`` (HybridStrategy
+    sets its ``context_mode`` around each step it traces)."""
+    if mode not in MODES:
+        raise ValueError(f"context_mode({mode!r}): valid modes are {MODES}.")
+    _mode.append(mode)
+    try:
+        yield
+    finally:
+        _mode.pop()
+
+
+def current_mode() -> str:
+    """The mode :func:`dtensor.context_attention` takes by default: the innermost
+    :func:`context_mode`'s, else ``"gather"``."""
+    return _mode[-1]
+
+
+def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
+    """``x``'s sequence (dimension 1) all-gathered over ``axis``; its gradient reduce-scattered
+    back (a ``psum_scatter``, under the name scope too)."""
+    return cast(jax.Array, _gather_sequence_vjp(x, axis))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_sequence_vjp(x: jax.Array, axis: str) -> jax.Array:
+    with jax.named_scope(CONTEXT_SCOPE):
+        return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_sequence_fwd(x: jax.Array, axis: str) -> tuple[jax.Array, None]:
+    return gather_sequence(x, axis), None
+
+
+def _gather_sequence_bwd(axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
+    with jax.named_scope(CONTEXT_SCOPE):
+        return (jax.lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True),)
+
+
+_gather_sequence_vjp.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
+
+
+def attend(q, k, v, qpos, kpos, causal, window, mask, scale):
+    """Plain attention (float32 scores and softmax) of ``q`` at ``qpos`` to ``k``/``v`` at ``kpos``."""
+    o, mx, total = _block(q, k, v, qpos, kpos, causal, window, mask, scale)
+    out = o / jnp.maximum(total, 1e-30)[..., None]
+    return _merge_heads(out, q)
+
+
+def _block(q, k, v, qpos, kpos, causal, window, mask, scale):
+    """One block's unnormalised output ``[b, kvh, g, q, d]`` (float32), row maxima and sums."""
+    b, sq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, sq, kvh, h // kvh, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    allow = _allowed(qpos, kpos, causal, window)
+    if mask is not None:
+        mk = mask.reshape(mask.shape[0], -1, 1, sq, k.shape[1])  # (b, heads|1, 1, q, k)
+        if mk.shape[1] == h:
+            mk = mask.reshape(mask.shape[0], kvh, h // kvh, sq, k.shape[1])
+        allow = mk if allow is None else allow & mk
+    if allow is not None:
+        scores = jnp.where(allow, scores, _NEG)
+    mx = scores.max(-1)
+    p = jnp.exp(scores - mx[..., None])
+    if allow is not None:
+        p = jnp.where(allow, p, 0.0)
+    total = p.sum(-1)
+    o = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, mx, total
+
+
+def _allowed(qpos, kpos, causal, window):
+    if not causal:
+        return None
+    diff = qpos[:, None] - kpos[None, :]
+    allow = diff >= 0
+    if window is not None:
+        allow = allow & (diff < window)
+    return allow
+
+
+def _merge_heads(o, q):
+    """``[b, kvh, g, q, d]`` -> ``[b, q, heads, d]`` in ``q``'s dtype."""
+    b, kvh, g, sq, d = o.shape
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, sq, kvh * g, d).astype(q.dtype)
+
+
+def _fold(acc, new):
+    """Fold one block's ``(o, max, sum)`` into the running softmax ``acc``."""
+    o, mx, total = acc
+    o2, mx2, total2 = new
+    m = jnp.maximum(mx, mx2)
+    a, b = jnp.exp(mx - m), jnp.exp(mx2 - m)
+    return o * a[..., None] + o2 * b[..., None], m, total * a + total2 * b
+
+
+def ring_attend(q, k, v, mask, window, me, c, axis, causal, balanced, scale):
+    """Ring attention of this device's queries (device ``me`` of ``c`` over ``axis``): the keys
+    and values passed round the ring, one block folded in a step (recomputed in the backward
+    pass); ``balanced``: causal, the rows re-laid so every step is half a block everywhere."""
+    n = q.shape[1]  # this device's rows
+    if balanced:
+        q, k, v = (_to_balanced(x, me, c, axis) for x in (q, k, v))
+        half = n // 2
+        front = me * half + jnp.arange(half)
+        qpos = jnp.concatenate([front, (2 * c - 1 - me) * half + jnp.arange(half)])
+    else:
+        qpos = me * n + jnp.arange(n)
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    shape = (b, kvh, h // kvh, n)
+    acc = (jnp.zeros((*shape, d), jnp.float32), jnp.full(shape, _NEG), jnp.zeros(shape))
+    ring = [(i, (i + 1) % c) for i in range(c)]
+
+    @jax.checkpoint
+    def step(acc, k, v, src):
+        kn = k.shape[1]
+        if balanced:
+            half = n // 2
+            kpos = jnp.concatenate(
+                [src * half + jnp.arange(half), (2 * c - 1 - src) * half + jnp.arange(half)]
+            )
+            return _balanced_step(acc, q, k, v, qpos, kpos, src, me, window, scale, half)
+        kpos = src * kn + jnp.arange(kn)
+        m = None if mask is None else jax.lax.dynamic_slice_in_dim(mask, src * kn, kn, axis=3)
+        new = _block(q, k, v, qpos, kpos, causal, window, m, scale)
+        if causal:  # a block wholly after this device's queries adds nothing: skipped
+            return jax.lax.cond(src <= me, lambda: _fold(acc, new), lambda: acc)
+        return _fold(acc, new)
+
+    for i in range(c):
+        src = (me - i) % c
+        if i + 1 < c:
+            with jax.named_scope(CONTEXT_SCOPE):
+                k_next = jax.lax.ppermute(k, axis, ring)
+                v_next = jax.lax.ppermute(v, axis, ring)
+        acc = step(acc, k, v, src)
+        if i + 1 < c:
+            k, v = k_next, v_next
+    o, _, total = acc
+    out = _merge_heads(o / jnp.maximum(total, 1e-30)[..., None], q)
+    return _from_balanced(out, me, c, axis) if balanced else out
+
+
+def _balanced_step(acc, q, k, v, qpos, kpos, src, me, window, scale, half):
+    """One load-balanced causal ring step: half a block of work on every device.
+
+    This device holds query chunks ``(me, 2C-1-me)``, the keys chunks ``(src,
+    2C-1-src)``. ``src < me``: both query chunks see the front key chunk
+    whole, the back one not at all; ``src > me``: the back query chunk sees
+    both key chunks whole, the front one neither; ``src == me``: the diagonal
+    block, causal.
+    """
+
+    def earlier():
+        new = _block(q, k[:, :half], v[:, :half], qpos, kpos[:half], True, window, None, scale)
+        return _fold(acc, new)
+
+    def later():
+        o, mx, total = acc
+        sl = (slice(None),) * 3 + (slice(half, None),)
+        new = _block(q[:, half:], k, v, qpos[half:], kpos, True, window, None, scale)
+        o2, mx2, t2 = _fold((o[sl], mx[sl], total[sl]), new)
+        return o.at[sl].set(o2), mx.at[sl].set(mx2), total.at[sl].set(t2)
+
+    def diagonal():
+        return _fold(acc, _block(q, k, v, qpos, kpos, True, window, None, scale))
+
+    branch = jnp.where(src < me, 0, jnp.where(src > me, 1, 2))
+    return jax.lax.switch(branch, (earlier, later, diagonal))
+
+
+def _dest(j, c):
+    """The device that holds chunk ``j`` of ``2c`` in the load-balanced layout."""
+    return j if j < c else 2 * c - 1 - j
+
+
+def _to_balanced(x, me, c, axis):
+    """Contiguous rows (chunks ``2me``, ``2me+1``) -> load-balanced (``me``, ``2c-1-me``)."""
+    half = x.shape[1] // 2
+    with jax.named_scope(CONTEXT_SCOPE):
+        even = jax.lax.ppermute(x[:, :half], axis, [(s, _dest(2 * s, c)) for s in range(c)])
+        odd = jax.lax.ppermute(x[:, half:], axis, [(s, _dest(2 * s + 1, c)) for s in range(c)])
+    # Front chunk ``me`` came with the even halves when ``me`` is even; the back chunk
+    # ``2c-1-me`` has the other parity.
+    first = me % 2 == 0
+    return jnp.concatenate([jnp.where(first, even, odd), jnp.where(first, odd, even)], axis=1)
+
+
+def _from_balanced(x, me, c, axis):
+    """The inverse of :func:`_to_balanced`."""
+    half = x.shape[1] // 2
+    first = me % 2 == 0
+    front, back = x[:, :half], x[:, half:]
+    even, odd = jnp.where(first, front, back), jnp.where(first, back, front)
+    with jax.named_scope(CONTEXT_SCOPE):
+        even = jax.lax.ppermute(even, axis, [(_dest(2 * s, c), s) for s in range(c)])
+        odd = jax.lax.ppermute(odd, axis, [(_dest(2 * s + 1, c), s) for s in range(c)])
+    return jnp.concatenate([even, odd], axis=1)
