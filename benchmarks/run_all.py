@@ -1,6 +1,6 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
-coordinator, checkpoint_verify, tpu_presets, gpu_presets, fsdp_scale, flax_gemma, experts,
-long_context and pipeline (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
+coordinator, checkpoint_verify, safetensors_load, tpu_presets, gpu_presets, fsdp_scale,
+flax_gemma, experts, long_context and pipeline (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
 extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv).
 
     python -m benchmarks.run_all [--quick] [--out DIR]
@@ -40,11 +40,13 @@ def main(argv: list[str] | None = None) -> None:
             gpu_presets,
             long_context,
             pipeline,
+            safetensors_load,
             tpu_presets,
         )
 
         coordinator.main(["--out", str((args.out or common.RESULTS) / "coordinator.json")])
         checkpoint_verify.main(out)
+        safetensors_load.main(out)
         tpu_presets.main(out)
         gpu_presets.main(out)
         fsdp_scale.main(out)

@@ -34,6 +34,7 @@ GUIDES = [
     "migrating_pytorch",
     "multi_process",
     "checkpoints",
+    "pretrained",
     "failure_handling",
     "explain",
 ]

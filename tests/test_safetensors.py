@@ -316,3 +316,41 @@ def test_a_checkpoint_in_a_bucket_loads_by_ranged_reads(gcs):
     assert stats["bytes_read"] == w.nbytes and stats["reads"] <= 8
     with pytest.raises(CheckpointError, match=r"does not exist"):
         load_safetensors(gcs + "/absent", {"w": dtensor.Layout(["x", None], mesh)})
+
+
+def test_a_users_own_nnx_model_needs_only_a_dict_mapping(tmp_path):
+    """The guide's example: a PyTorch-style state dict into an NNX model built under a preset."""
+    from flax import nnx
+
+    import strategies
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 64, rngs=rngs)
+            self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    rng = np.random.default_rng(0)
+    torch_names = {
+        "fc1.weight": rng.standard_normal((64, 16)).astype(np.float32),  # [out, in]
+        "fc1.bias": rng.standard_normal(64).astype(np.float32),
+        "fc2.weight": rng.standard_normal((16, 64)).astype(np.float32),
+        "fc2.bias": rng.standard_normal(16).astype(np.float32),
+    }
+    save_file(torch_names, str(tmp_path / "model.safetensors"))
+    mapping = {
+        "fc1.weight": ("up/kernel", transpose()),
+        "fc1.bias": "up/bias",
+        "fc2.weight": ("down/kernel", transpose()),
+        "fc2.bias": "down/bias",
+    }
+    strategy = strategies.FullyShardedStrategy(min_shard_bytes=0)
+    with strategy.scope():
+        model = MLP(nnx.Rngs(0))
+    load_safetensors(tmp_path / "model.safetensors", model, mapping=mapping)
+    kernel = model.up.kernel.get_value()
+    assert dtensor.fetch_layout(kernel).sharding_specs[1] == "fsdp"
+    np.testing.assert_array_equal(np.asarray(kernel), torch_names["fc1.weight"].T)
+    np.testing.assert_array_equal(np.asarray(model.down.bias.get_value()), torch_names["fc2.bias"])
+    save_safetensors(tmp_path / "back", model, mapping=mapping)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert all(back[n].tobytes() == v.tobytes() for n, v in torch_names.items())
