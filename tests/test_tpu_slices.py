@@ -200,3 +200,31 @@ def test_without_the_links_or_in_host_order_the_same_gather_is_an_all_reduce():
     host_order = _gather_kinds(dtensor.tpu_topology("v5p:4x4x4"), host_order=True)
     for kinds in (no_links, host_order):
         assert kinds.get("all-gather", 0) == 0 and kinds["all-reduce"] > 0, kinds
+
+
+def test_multislice_descriptions_lose_the_in_slice_torus():
+    """What libtpu's multi-slice description compiles (the issue's question 3), pinned.
+
+    Two v5p-64 slices (no links in a slice): the in-slice FSDP gather is an all-gather, as
+    on one v5p-64. Two v5p-128 tori: it is an all-reduce, as on one v5p-128 described
+    without its links, even over slice 0's devices alone. libtpu's multi-slice topology
+    ("megascale") does not carry a slice's wraparound links into the compiler; a real job's
+    runtime describes each slice from its hardware, so there we expect the one-slice
+    program (the all-gather). Figures for two full v4/v5p slices are therefore upper
+    bounds. If a libtpu release changes this, this test says so.
+    """
+
+    def in_slice(name: str) -> dict[str, float]:
+        two = dtensor.tpu_topology(name, num_slices=2)
+        mesh = dtensor.create_distributed_mesh([("data", 1), ("fsdp", -1)], [("data", 2)], two)
+        w = jax.ShapeDtypeStruct(
+            (8192, 28672), jnp.bfloat16, sharding=dtensor.Layout(["fsdp", None], mesh).sharding
+        )
+        x_layout = dtensor.Layout.batch_sharded(mesh, ("data", "fsdp"), 2)
+        x = jax.ShapeDtypeStruct((16 * len(two), 8192), jnp.bfloat16, sharding=x_layout.sharding)
+        return dtensor.explain(lambda x, w: x @ w, x, w).by_kind()
+
+    small = in_slice("v5p-64")
+    assert small.get("all-reduce", 0) == 0 and small["all-gather"] > 0, small
+    tori = in_slice("v5p-128")
+    assert tori.get("all-gather", 0) == 0 and tori["all-reduce"] > 0, tori
