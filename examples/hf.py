@@ -143,13 +143,13 @@ def _layer(cfg: Any) -> tuple[str, str]:
     return "model.layers.{i}.", ("layers/" if cfg.scan else "blocks/{i}/")
 
 
-def hf_mapping(cfg: Any, *, tie_word_embeddings: bool = False, save_dtype: Any = None) -> Mapping:
+def hf_mapping(cfg: Any, *, save_dtype: Any = None) -> Mapping:
     """The Hugging Face names of ``cfg``'s architecture <-> :class:`Decoder` paths.
 
     Loading casts every tensor to the model's dtype (a bfloat16 checkpoint into float32
-    master weights); saving writes the model's dtype, or ``save_dtype``.
-    ``tie_word_embeddings=True`` (a Llama whose ``config.json`` ties its head, as Llama
-    3.2 1B) reads the decoder's own ``head`` from the embedding; saves leave it out.
+    master weights); saving writes the model's dtype, or ``save_dtype``. A Llama checkpoint
+    without ``lm_head.weight`` (its ``config.json`` ties the head, as Llama 3.2 1B's) fills
+    the decoder's own ``head`` from the embedding; a save writes ``lm_head.weight``.
     """
     ck, at = _layer(cfg)
     cast = astype(saved=save_dtype)
@@ -214,11 +214,9 @@ def hf_mapping(cfg: Any, *, tie_word_embeddings: bool = False, save_dtype: Any =
     ignore = [r".*\.rotary_emb\.inv_freq"]
     if cfg.tied:
         ignore.append(r"lm_head\.weight")
-    elif tie_word_embeddings:
-        rules.append(Rule("model.embed_tokens.weight", "head", transpose(), cast, save=False))
-        ignore.append(r"lm_head\.weight")
-    else:
+    else:  # lm_head.weight, or (a tied checkpoint) the embedding: the first the file holds
         rules.append(Rule("lm_head.weight", "head", transpose(), cast))
+        rules.append(Rule("model.embed_tokens.weight", "head", transpose(), cast, save=False))
     return Mapping(rules, ignore=ignore)
 
 

@@ -290,3 +290,18 @@ def test_train_py_fine_tunes_from_a_hugging_face_checkpoint(tmp_path):
     result = json.loads(proc.stdout)
     assert result["init_from"] == str(tmp_path / "hf")
     assert result["steps"] == 3 and result["loss_last"] < result["loss_first"]
+
+
+def test_a_tied_llama_checkpoint_fills_the_decoders_head_from_the_embedding(tmp_path):
+    tensors = hf_weights.weights(hf_weights.LLAMA)
+    del tensors["lm_head.weight"]  # tie_word_embeddings: True, as Llama 3.2 1B
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    cfg = from_hf_config({**hf_weights.LLAMA, "tie_word_embeddings": True})
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    with dtensor.create_mesh([("fsdp", 8)]):
+        model = load_safetensors(tmp_path, abstract, mapping=hf_mapping(cfg))
+    embed = tensors["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(model.head.get_value()), embed.T)
+    save_safetensors(tmp_path / "out", model, mapping=hf_mapping(cfg))
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    np.testing.assert_array_equal(back["lm_head.weight"], embed)  # untied once saved

@@ -159,14 +159,15 @@ class Mapping:
         """Whether the checkpoint tensor ``name`` is left out of loads."""
         return any(p.fullmatch(name) for p in self.ignore)
 
-    def _match(self, path: str, *, saving: bool) -> tuple[Rule, dict[str, str]] | None:
+    def _matches(self, path: str, *, saving: bool) -> list[tuple[Rule, dict[str, str]]]:
+        found = []
         for rule in self.rules:
             if saving and not rule.save:
                 continue
             m = rule.target_re.fullmatch(path)
             if m:
-                return rule, m.groupdict()
-        return None
+                found.append((rule, m.groupdict()))
+        return found
 
     def source(
         self,
@@ -178,13 +179,30 @@ class Mapping:
     ) -> Source | None:
         """Where the leaf at ``path`` comes from (``None``: no rule). Stacked placeholders take
         their values from ``counts`` (the leaf's leading dimensions) or, when loading, from
-        the names in ``available`` (the checkpoint's)."""
-        found = self._match(path, saving=saving)
-        if found is None:
+        the names in ``available`` (the checkpoint's). When loading, the first matching rule
+        whose tensors the checkpoint holds wins (a later rule is a fallback: an untied head
+        read from a tied checkpoint's embedding); none: the first, so its names are reported."""
+        found = self._matches(path, saving=saving)
+        if not found:
             if not self.default:
                 return None
             return Source(path, (path.replace("/", "."),), (), (), None, "by name")
-        rule, values = found
+        sources = [self._source(path, r, v, available, counts) for r, v in found]
+        if not saving and len(sources) > 1:
+            have = set(available)
+            for src in sources:
+                if src.names and all(n in have for n in src.names):
+                    return src
+        return sources[0]
+
+    def _source(
+        self,
+        path: str,
+        rule: Rule,
+        values: dict[str, str],
+        available: Iterable[str],
+        counts: Sequence[int] | None,
+    ) -> Source:
         grids: list[tuple[str, ...]] = []
         for i, name in enumerate(rule.stacked):
             if name in rule.stack_values:
