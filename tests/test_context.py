@@ -20,6 +20,7 @@ import dtensor
 import strategies
 from dtensor.core.attention import CONTEXT_SCOPE
 from examples.decoder import CONFIGS, Block
+from tests import signatures
 from tests.test_decoder import _batches, _build, _step
 
 B, S, H, KVH, D = 4, 32, 4, 2, 8
@@ -41,6 +42,23 @@ def _qkv(seed=0):
 
 def _loss(q, k, v, **kw):
     return (dtensor.context_attention(q, k, v, **kw) ** 2 * jnp.arange(D)).sum()
+
+
+def _jax_attention(q, k, v, causal=False, mask=None, window=None):
+    """JAX's own attention with each option as an explicit mask: causal a lower triangle,
+    ``window`` the band of the last ``window`` positions (``0 <= i - j < window``)."""
+    i, j = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    allow = jnp.ones((S, S), bool)
+    if causal:
+        allow = allow & (j <= i)
+    if window is not None:
+        allow = allow & (i - j < window)
+    full = allow if mask is None else allow & mask
+    return jax.nn.dot_product_attention(q, k, v, mask=jnp.broadcast_to(full, (B, 1, S, S)))
+
+
+def _jax_loss(q, k, v, **kw):
+    return (_jax_attention(q, k, v, **kw) ** 2 * jnp.arange(D)).sum()
 
 
 def _close(got, want, rtol, atol=0.0):
@@ -65,6 +83,11 @@ def test_context_attention_without_a_context_axis_is_jax_s_attention():
     want = jax.nn.dot_product_attention(q, k, v, mask=keys)
     got = dtensor.context_attention(q, k, v, mask=keys)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # a sliding window: the band of the last 5 positions
+    got = dtensor.context_attention(q, k, v, causal=True, window=5)
+    want = _jax_attention(q, k, v, causal=True, window=5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got, jax.nn.dot_product_attention(q, k, v, is_causal=True))
     # implementation="auto" on CPU is XLA's attention, not a TPU kernel
     got = dtensor.context_attention(q, k, v, causal=True, implementation="auto")
     np.testing.assert_allclose(got, dtensor.context_attention(q, k, v, causal=True), rtol=0)
@@ -102,10 +125,11 @@ def test_context_attention_auto_is_splash_when_traced_for_a_tpu_topology():
 )
 @pytest.mark.parametrize("dims", list(MESHES.values()), ids=list(MESHES))
 def test_context_attention_under_a_context_axis_matches_one_device(dims, kw, mode):
+    """Against JAX's own attention with each option an explicit mask (the window a band)."""
     q, k, v, mask = _qkv()
     kw = {**kw, "mask": mask} if kw.get("mask") else kw
-    want = dtensor.context_attention(q, k, v, **kw)
-    want_grads = jax.grad(_loss, argnums=(0, 1, 2))(q, k, v, **kw)
+    want = _jax_attention(q, k, v, **kw)
+    want_grads = jax.grad(_jax_loss, argnums=(0, 1, 2))(q, k, v, **kw)
     with dtensor.create_mesh(dims):
         fn = jax.jit(lambda q, k, v: dtensor.context_attention(q, k, v, mode=mode, **kw))
         got = fn(q, k, v)
@@ -185,9 +209,13 @@ def test_hybrid_context_lays_the_sequence_over_context_and_weights_over_fsdp_and
     ids=["context4-data2", "fsdp2-tensor2-context2-scan-remat"],
 )
 def test_decoder_trains_under_hybrid_context_as_on_one_device(kw, scan, mode):
+    """Three Adam steps (``eps=1e-3``: tests/test_compose.py says why; at 1e-6 Adam divides
+    each element by its own scale and hides a gradient's) equal to one device's, and the
+    mode's exchange in the compiled step (tests/signatures.py): K/V all-gathers over
+    ``context``, or a ring of permutes and no K/V gather."""
     cfg = CONFIGS["tiny"].replace(scan=scan)
     batches = _batches(cfg)
-    model, opt = _build(cfg, eps=1e-6)
+    model, opt = _build(cfg, eps=1e-3)
     step = nnx.jit(_step)
     want = [float(step(model, opt, b)) for b in batches]
     want_params = nnx.state(model, nnx.Param)
@@ -195,13 +223,21 @@ def test_decoder_trains_under_hybrid_context_as_on_one_device(kw, scan, mode):
         **kw, context_mode=mode, min_shard_bytes=0, remat=(Block,) if scan else None
     )
     with s.scope():
-        model, opt = _build(cfg, eps=1e-6)
+        model, opt = _build(cfg, eps=1e-3)
     got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5)
     report = s.explain(_step, args=(model, opt, batches[0]))
     assert report.context_bytes_per_device > 0
     assert report.context_bytes_per_device < report.comm_bytes_per_device
+    rows = 8 // (kw["data"] * kw.get("fsdp", 1))  # the batch of 8 over the batch axes
+    kv = (rows, 16, cfg.kv_heads // kw.get("tensor", 1), cfg.head_dim)  # heads over tensor
+    if mode == "gather":
+        signatures.assert_context_gather(report.collectives, kv=kv, layers=cfg.layers)
+    else:
+        signatures.assert_context_ring(
+            report.collectives, kv=kv, layers=cfg.layers, context=kw["context"]
+        )
 
 
 class _Attend(nnx.Module):
@@ -242,9 +278,9 @@ def _attend_step(model, opt, batch):
     ids=["mha-causal-mask", "mha-full", "dot_product_attention-is_causal"],
 )
 def test_flax_attention_trains_under_hybrid_context_unchanged(causal, direct, mode):
-    def build():
+    def build():  # Adam's eps at 1e-3: tests/test_compose.py says why
         m = _Attend(nnx.Rngs(0), causal, direct)
-        return m, nnx.Optimizer(m, optax.adam(1e-2, eps=1e-6), wrt=nnx.Param)
+        return m, nnx.Optimizer(m, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
 
     x = np.random.default_rng(1).integers(0, 64, size=(3, 8, 16)).astype(np.int32)
     batches = [{"x": x[i], "y": (x[i] * 7 + 1) % 64} for i in range(3)]
@@ -260,14 +296,23 @@ def test_flax_attention_trains_under_hybrid_context_unchanged(causal, direct, mo
     # atol: the key bias's gradient is 0 in exact arithmetic (it adds the same score to every
     # key of a query), so that parameter is float32 rounding (~1e-6) on both sides.
     _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5, atol=1e-6)
-    # Flax's attention went through dtensor.context_attention (its exchange is in the program),
-    # and Flax's function is itself again outside the step.
-    assert s.explain(_attend_step, args=(model, opt, batches[0])).context_bytes_per_device > 0
+    # Flax's attention went through dtensor.context_attention (its exchange, the mode's, is in
+    # the program), and Flax's function is itself again outside the step.
+    report = s.explain(_attend_step, args=(model, opt, batches[0]))
+    assert report.context_bytes_per_device > 0
+    kv = (8 // 2, 16, 4, 8)  # the sequence's K (or V) over the data shards: 4 heads of 8
+    if mode == "gather":
+        signatures.assert_context_gather(report.collectives, kv=kv, layers=1)
+    else:
+        signatures.assert_context_ring(report.collectives, kv=kv, layers=1, context=4)
     assert nnx.dot_product_attention.__module__ == "flax.nnx.nn.attention"
 
 
 @pytest.mark.parametrize("mode", ["gather", "ring"])
 def test_decoder_under_context_compiles_for_tpu(mode):
+    """data=2 x context=4 on v5e:2x4 (libtpu): each mode's exchange in the TPU program
+    (tests/signatures.py), figures a program of the other mode cannot meet, and the
+    arguments split over ``context``."""
     devices = dtensor.tpu_topology("v5e:2x4")
     cfg = CONFIGS["tiny"].replace(scan=True)
     s = strategies.HybridStrategy(
@@ -288,13 +333,18 @@ def test_decoder_under_context_compiles_for_tpu(mode):
     }
     report = s.explain(_step, args=(model, opt, batch))
     per_layer = 8 // 2 * 256 * cfg.kv_heads * cfg.head_dim * 2  # one K (or V), bf16, a device
+    kv = (8 // 2, 256, cfg.kv_heads, cfg.head_dim)  # K (or V) of the whole sequence, a device
+    scoped = [c for c in report.collectives if CONTEXT_SCOPE in c.op_name]
+    permuted = sum(c.total_bytes_per_device for c in scoped if c.kind == "collective-permute")
+    gathered = sum(c.total_bytes_per_device for c in scoped if c.kind == "all-gather")
     if mode == "gather":
+        signatures.assert_context_gather(report.collectives, kv=kv, layers=cfg.layers)
         # K and V all-gathered in each layer's forward (and again under remat), gradients
         # reduce-scattered back: at least 2 x (C-1)/C of K and V a layer, per device.
-        assert report.context_bytes_per_device >= cfg.layers * 2 * 2 * per_layer * 3 / 4
+        assert gathered >= cfg.layers * 2 * 2 * per_layer * 3 / 4 and permuted == 0
         # libtpu lowers the gradients' reduce-scatter to an all-reduce of the gathered K/V
         # over context, without the name scope: counted as context traffic all the same.
-        kv = {
+        shapes = {
             (c.shape, c.dtype)
             for c in report.collectives
             if c.kind == "all-gather" and CONTEXT_SCOPE in c.op_name
@@ -302,18 +352,27 @@ def test_decoder_under_context_compiles_for_tpu(mode):
         back = [
             c
             for c in report.collectives
-            if c.kind == "all-reduce" and c.mesh_axes == ("context",) and (c.shape, c.dtype) in kv
+            if c.kind == "all-reduce"
+            and c.mesh_axes == ("context",)
+            and (c.shape, c.dtype) in shapes
         ]
         assert len(back) >= 2  # K and V
-        scoped = sum(
-            c.total_bytes_per_device for c in report.collectives if CONTEXT_SCOPE in c.op_name
-        )
         assert report.context_bytes_per_device == pytest.approx(
-            scoped + sum(c.total_bytes_per_device for c in back)
+            sum(c.total_bytes_per_device for c in scoped)
+            + sum(c.total_bytes_per_device for c in back)
         )
     else:
-        # The ring moves each device's K/V chunk C-1 times a layer (forward at least).
-        assert report.context_bytes_per_device >= cfg.layers * 2 * 3 * per_layer / 4
+        signatures.assert_context_ring(report.collectives, kv=kv, layers=cfg.layers, context=4)
+        # The ring moves each device's K and V chunks C-1 times a layer in the forward pass,
+        # again in its recomputation (remat) and in the backward pass: permutes over context,
+        # of which a gather program has none; and it gathers no K/V.
+        assert permuted >= 3 * cfg.layers * 2 * 3 * per_layer / 4 and gathered == 0
+        assert report.context_bytes_per_device == pytest.approx(permuted)
+    # Every variable FSDP-split over context: a quarter of each a chip, as the compiled
+    # arguments' shards say.
+    signatures.assert_splits(
+        report, {"context": 4}, lambda path: True, batch_bytes=2 * 8 // 2 * 256 * 4 // 4
+    )
     assert report.peak_bytes_per_device is not None
 
 

@@ -17,6 +17,7 @@ import dtensor
 import strategies
 from examples.decoder import CONFIGS, Block, Decoder, loss_fn
 from strategies.presets.tensor_parallel import expert_dim
+from tests import signatures
 from tests.test_decoder import _batches, _build, _step
 
 E, D, F, K = 8, 16, 32, 2
@@ -285,12 +286,20 @@ def test_moe_decoder_compiles_for_tpu_and_gpu_with_ragged_all_to_all(platform):
     report = s.explain(_step, args=_abstract(cfg, 8, 64))
     text = report.compiled.as_text()
     assert "ragged-all-to-all" in text
+    # The dispatch's all-to-alls over expert, out and back in each layer, forward and backward
+    # (tests/signatures.py).
+    signatures.assert_expert(report.collectives, layers=cfg.layers, named=platform == "tpu")
     assert report.dispatch_capacity == 4
     # Ragged: the compiled all-to-alls move the rows routed (bf16 under mixed precision).
     rows = 8 * 64 // 8 * 2 * 64 * 2
     assert report.dispatch_min_bytes_per_device == pytest.approx(cfg.layers * 6 * rows * 3 / 4)
     assert report.dispatch_bytes_per_device >= report.dispatch_min_bytes_per_device
     assert report.peak_bytes_per_device < 64 << 20
+    # The experts split over expert x fsdp, the other variables FSDP-split over both (as
+    # MaxText shards them): an eighth of each a chip, by the compiled arguments' shards.
+    signatures.assert_splits(
+        report, {"fsdp": 2, "expert": 4}, lambda path: True, batch_bytes=2 * 8 * 64 * 4 // 8
+    )
 
 
 def test_experts_benchmark_table_is_the_guide_s():

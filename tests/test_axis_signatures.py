@@ -1,0 +1,201 @@
+"""Each HybridStrategy axis is used: its collectives in the compiled step, its split of the arguments.
+
+The equality tests (tests/test_pipeline.py, test_context.py, test_experts.py,
+test_compose.py...) show that each axis computes single-device JAX's numbers,
+which a silently replicated axis does too. Here the tiny example decoder's
+training step under each axis beside ``data`` (8 CPU devices; one compile
+each, shared by the tests that read it) is read back through ``explain()``:
+the axis's collectives (tests/signatures.py says which) and the per-device
+argument bytes, which fall by the axis's size for what it splits. The TPU
+compiler's programs (libtpu, deviceless) are read the same way: ``tensor``
+here, ``context`` ring in tests/test_context.py, ``expert`` in
+tests/test_experts.py; all six axes at once in tests/test_compose.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import dtensor
+import strategies
+from examples.decoder import CONFIGS, Block, Decoder, tensor_rules
+from tests import signatures as sig
+from tests.test_decoder import _batches, _step
+
+# All on one worker: each case's compile is shared by the tests that read it.
+pytestmark = pytest.mark.xdist_group("axis_signatures")
+
+TINY = CONFIGS["tiny"]
+BATCH, SEQ = 16, 16
+D = TINY.d_model
+KV = (BATCH // 4, SEQ, TINY.kv_heads, TINY.head_dim)  # K (or V) of the whole sequence, a device
+BATCH_BYTES = 2 * BATCH * SEQ * 4  # x and y, int32
+
+CASES = {
+    # name: (config, HybridStrategy's arguments, the axis, what it splits, batch shards)
+    "tensor": (
+        TINY,
+        dict(data=4, tensor=2, rules=tensor_rules(TINY)),
+        "tensor",
+        r"attn/(query|key|value|out)$|mlp/(gate|up|down)$|embed$",
+        4,
+    ),
+    "fsdp": (TINY, dict(data=4, fsdp=2), "fsdp", r".", 8),
+    "stage-scan-gpipe": (
+        TINY.replace(scan=True),
+        dict(data=4, stage=2, microbatches=4, pipeline=(Block,)),
+        "stage",
+        r"/layers/",
+        4,
+    ),
+    "stage-list-circular": (
+        TINY.replace(layers=4),
+        dict(data=4, stage=2, microbatches=2, schedule="circular", pipeline=(Block,)),
+        "stage",
+        r"/blocks/",
+        4,
+    ),
+    "context-gather": (TINY, dict(data=4, context=2, context_mode="gather"), "context", r".", 8),
+    "context-ring": (TINY, dict(data=4, context=2, context_mode="ring"), "context", r".", 8),
+    # the experts split their experts dimension over expert, the rest is FSDP-split over it
+    "expert": (CONFIGS["tiny-moe"], dict(data=4, expert=2), "expert", r".", 8),
+}
+
+
+def _build(cfg):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+class _Compiled:
+    """Each case's strategy and explain() report, compiled on first use (per test process)."""
+
+    def __init__(self):
+        self._done = {}
+
+    def __getitem__(self, name):
+        if name not in self._done:
+            cfg, kw, *_ = CASES[name]
+            s = strategies.HybridStrategy(min_shard_bytes=0, **kw)
+            with s.scope():
+                model, opt = _build(cfg)
+            batch = _batches(cfg, n=1, batch=BATCH, seq=SEQ)[0]
+            self._done[name] = s, s.explain(_step, args=(model, opt, batch))
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return _Compiled()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_argument_bytes_fall_by_the_axis_size_for_what_it_splits(compiled, name):
+    cfg, kw, axis, splits, batch_shards = CASES[name]
+    _, report = compiled[name]
+    # min_shard_bytes=0 and tiny sizes that divide: fsdp, context and expert split every
+    # variable (but the optimizer's step count, a scalar).
+    pattern = re.compile(splits)
+    sig.assert_splits(
+        report,
+        {axis: 2},
+        lambda p: bool(pattern.search(p)),
+        batch_bytes=BATCH_BYTES // batch_shards,
+    )
+
+
+def test_tensor_all_reduces_activations(compiled):
+    _, report = compiled["tensor"]
+    sig.assert_tensor(report.collectives, rows=BATCH // 4, seq=SEQ, d_model=D, layers=2)
+
+
+def test_fsdp_gathers_the_weights_and_reduce_scatters_their_gradients(compiled):
+    """The gather-at-read plan (CPU's default): each block weight all-gathered over fsdp and
+    its gradient reduce-scattered to its half (the embedding, read by a gather, all-reduces)."""
+    _, report = compiled["fsdp"]
+    weights = {
+        v.path: (v.shape, _half(v.shape, v.layout))
+        for v in report.variables
+        if re.search(r"attn/(query|key|value|out)$|mlp/(gate|up|down)$", v.path)
+    }
+    assert len(weights) == 2 * 7
+    sig.assert_fsdp(report.collectives, weights, reduce_scatter=True)
+
+
+def _half(shape, layout):
+    """``shape`` with its dimension named ``fsdp`` in ``layout`` halved."""
+    specs = layout.strip("[]").split(", ")
+    return tuple(n // 2 if s == "fsdp" else n for n, s in zip(shape, specs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "ticks"),
+    [("stage-scan-gpipe", 1, 4 + 2 - 1), ("stage-list-circular", 2, 2 * 2 + 2 - 1)],
+)
+def test_stage_permutes_microbatches_and_has_a_bubble(compiled, name, rows, ticks):
+    """A microbatch (16 rows / M / data 4) passed on once a tick, each way; the bubble."""
+    s, report = compiled[name]
+    sig.assert_stage(
+        report.collectives,
+        rows=rows,
+        seq=SEQ,
+        d_model=D,
+        ticks=ticks,
+        bubble=report.bubble_fraction,
+        stages=2,
+    )
+    assert report.bubble_fraction == s.bubble_fraction
+    if name == "stage-list-circular":  # the list's blocks re-stacked by stage in the step
+        assert sig.over(report.collectives, "all-to-all", "stage")
+
+
+def test_context_gather_all_gathers_k_and_v(compiled):
+    _, report = compiled["context-gather"]
+    sig.assert_context_gather(report.collectives, kv=KV, layers=2)
+
+
+def test_context_ring_permutes_k_and_v_and_never_gathers_them(compiled):
+    _, report = compiled["context-ring"]
+    sig.assert_context_ring(report.collectives, kv=KV, layers=2, context=2)
+
+
+def test_the_two_context_modes_are_different_programs(compiled):
+    """What tells them apart: the gather program has no ring, the ring program no K/V
+    gather (each signature fails on the other's program)."""
+    gather = compiled["context-gather"][1].collectives
+    ring = compiled["context-ring"][1].collectives
+    with pytest.raises(AssertionError):
+        sig.assert_context_ring(gather, kv=KV, layers=2, context=2)
+    with pytest.raises(AssertionError):
+        sig.assert_context_gather(ring, kv=KV, layers=2)
+
+
+def test_expert_dispatches_by_all_to_all(compiled):
+    _, report = compiled["expert"]
+    sig.assert_expert(report.collectives, layers=2)
+    assert report.dispatch_bytes_per_device > 0
+    stacks = [v for v in report.variables if "/experts/" in v.path]
+    assert len(stacks) == 2 * 3 and all(v.layout.startswith("[expert,") for v in stacks)
+
+
+# ----------------------------------------------------------------------- TPU (libtpu, no TPU)
+def test_tensor_all_reduces_activations_on_a_tpu_topology():
+    """data=4 x tensor=2 on v5e:2x4: the same activation all-reduces over ``tensor``, and the
+    compiled arguments' shards halve what the tensor rules split."""
+    s = strategies.HybridStrategy(
+        4, 1, 2, rules=tensor_rules(TINY), devices=dtensor.tpu_topology("v5e:2x4")
+    )
+    model, opt = nnx.eval_shape(lambda: _build(TINY))
+    batch = {k: jax.ShapeDtypeStruct((BATCH, 64), jnp.int32) for k in ("x", "y")}
+    report = s.explain(_step, args=(model, opt, batch))
+    sig.assert_tensor(report.collectives, rows=BATCH // 4, seq=64, d_model=D, layers=2)
+    pattern = re.compile(CASES["tensor"][3])
+    sig.assert_splits(
+        report, {"tensor": 2}, lambda p: bool(pattern.search(p)), batch_bytes=2 * BATCH * 64
+    )
