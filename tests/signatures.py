@@ -85,13 +85,21 @@ def _both_passes(found: Sequence[Collective], at_least: int, what: str) -> None:
 
 
 def assert_tensor(
-    collectives: Sequence[Collective], *, rows: int, seq: int, d_model: int, layers: int
+    collectives: Sequence[Collective],
+    *,
+    rows: int,
+    seq: int,
+    d_model: int,
+    layers: int,
+    per_layer: int = 2,
 ) -> None:
-    """Activation all-reduces over ``tensor``: ``rows x seq x d_model`` a device, two a layer."""
+    """Activation all-reduces over ``tensor``: ``rows x seq x d_model`` a device, ``per_layer``
+    a layer (2: attention out and MLP down; 1 where the MLP is a mixture of experts, whose
+    stacks the decoder's tensor rules leave whole)."""
     found = [
         c for c in over(collectives, "all-reduce", "tensor") if shaped(c, (rows, seq, d_model))
     ]
-    _both_passes(found, 2 * layers, "activation all-reduces over tensor")
+    _both_passes(found, per_layer * layers, "activation all-reduces over tensor")
 
 
 def assert_stage(
@@ -167,22 +175,30 @@ def assert_expert(collectives: Sequence[Collective], *, layers: int, named: bool
 
 def assert_fsdp(
     collectives: Sequence[Collective],
-    weights: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    weights: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None,
     *,
     reduce_scatter: bool,
 ) -> None:
     """Every weight of ``weights`` (path -> (gathered shape, shard shape)) all-gathered over
     ``fsdp`` and its gradient reduce-scattered over ``fsdp`` to its shard, or (XLA's plan on
-    CPU, ``reduce_scatter=False``) all-reduced whole over axes that include ``fsdp``."""
-    gathered = {c.shape for c in over(collectives, "all-gather", "fsdp")}
-    scattered = {c.shape for c in over(collectives, "reduce-scatter", "fsdp")}
-    reduced = {c.shape for c in collectives if c.kind == "all-reduce" and "fsdp" in c.mesh_axes}
+    CPU, ``reduce_scatter=False``) all-reduced whole. ``fsdp`` may come with other axes the
+    weights are split over too (HybridStrategy FSDP-splits over ``fsdp`` and ``context`` /
+    ``expert`` together). ``weights=None``: only that both kinds are there, the gathers in
+    both passes (each layer's weights gathered for its forward and again for its backward)."""
+    with_fsdp = [c for c in collectives if "fsdp" in c.mesh_axes]
+    gathers = [c for c in with_fsdp if c.kind == "all-gather"]
+    kind = "reduce-scatter" if reduce_scatter else "all-reduce"
+    reductions = [c for c in with_fsdp if c.kind == kind and backward(c)]
+    if weights is None:
+        _both_passes(gathers, 1, "weight all-gathers over fsdp")
+        assert reductions, f"no gradient {kind} over fsdp"
+        return
+    gathered = {c.shape for c in gathers}
+    reduced = {c.shape for c in reductions}
     for path, (whole, shard) in weights.items():
         assert whole in gathered, f"{path} {whole} not all-gathered over fsdp"
-        if reduce_scatter:
-            assert shard in scattered, f"{path}'s gradient {shard} not reduce-scattered over fsdp"
-        else:
-            assert whole in reduced, f"{path}'s gradient {whole} not all-reduced over fsdp"
+        want = shard if reduce_scatter else whole
+        assert want in reduced, f"{path}'s gradient {want} in no {kind} over fsdp"
 
 
 # ------------------------------------------------------------------------- argument bytes
