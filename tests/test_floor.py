@@ -253,3 +253,27 @@ def test_a_benchmark_row_computed_live_communicates_at_least_its_minimum():
     assert live["comm_bytes_per_device"] / live["min_comm_bytes_per_device"] >= 1
     for key in ("comm_bytes_per_device", "min_comm_bytes_per_device", "by_kind"):
         assert live[key] == committed[key], key
+
+
+def test_megablox_grouped_matmuls_count_their_data_dependent_row_tiles():
+    """MaxText's dropless MoE runs megablox's gmm/tgmm, whose grid has a run-time row-tile
+    count: a grid step's matmul times the static grid alone is a quarter of the work at 4
+    row tiles. Every row meets one expert's k x n block: 2 m k n, forward and transposed."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
+
+    from dtensor.analysis.floor import uncounted_kernels
+
+    m, k, n, g = 512, 256, 384, 4
+    lhs = jnp.zeros((m, k), jnp.bfloat16)
+    sizes = jnp.asarray([64, 192, 128, 128], jnp.int32)  # uneven groups: the same work
+    fwd = jax.make_jaxpr(lambda a, b, s: gmm(a, b, s, tiling=(128, 128, 128)))(
+        lhs, jnp.zeros((g, k, n), jnp.bfloat16), sizes
+    )
+    grad = jax.make_jaxpr(lambda a, b, s: tgmm(a.T, b, s, tiling=(128, 128, 128)))(
+        lhs, jnp.zeros((m, n), jnp.bfloat16), sizes
+    )
+    assert matmul_flops(fwd) == matmul_flops(grad) == 2.0 * m * k * n
+    assert uncounted_kernels(fwd) == [] and uncounted_kernels(grad) == []
+    # The same sizes through jax.lax.ragged_dot (our MoE's grouped matmul) agree.
+    ragged = jax.make_jaxpr(jax.lax.ragged_dot)(lhs, jnp.zeros((g, k, n), jnp.bfloat16), sizes)
+    assert matmul_flops(ragged) == 2.0 * m * k * n

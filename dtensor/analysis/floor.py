@@ -21,7 +21,10 @@ The FLOPs are counted on the step's jaxpr, every ``dot_general`` at
 pass and the rematerialised recomputation each appear there, a scanned
 body counts ``length`` times, a ``shard_map`` body (one device's) once per
 device of its manual axes and a Pallas kernel (one grid step's) once per
-grid step, masked blocks included. (libtpu's ``cost_analysis()`` counts a loop's
+grid step, masked blocks included; a grouped-matmul kernel whose row tiles
+are known only at run time (megablox's ``gmm`` / ``tgmm``, MaxText's MoE) at
+``2 x m x k x n`` from its shapes (:func:`uncounted_kernels` lists any other
+kernel with a run-time grid, whose dynamic factor is not counted). (libtpu's ``cost_analysis()`` counts a loop's
 body once, and its ``optimal_seconds`` came out negative for a scanned
 Gemma step, so it is not used.) Elementwise work and the time a matmul
 waits for memory are left out: the floor errs low.
@@ -44,7 +47,14 @@ import numpy as np
 
 from dtensor.analysis.hardware import Chip, chip_of
 
-__all__ = ["StepFloor", "between_hosts_bytes", "floor_for", "matmul_flops", "step_floor"]
+__all__ = [
+    "StepFloor",
+    "between_hosts_bytes",
+    "floor_for",
+    "matmul_flops",
+    "step_floor",
+    "uncounted_kernels",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,6 +133,11 @@ def _flops(jaxpr: Any) -> float:
         if eqn.primitive.name in _FUSED_ATTENTION:  # cuDNN's (jax.nn.dot_product_attention)
             total += _fused_attention_flops(eqn)
             continue
+        if eqn.primitive.name == "pallas_call" and _dynamic_grid(eqn):
+            grouped = _grouped_kernel_flops(eqn)
+            if grouped is not None:  # megablox's gmm / tgmm: the grouped matmul's own FLOPs
+                total += grouped
+                continue
         times = _repeats(eqn)
         subs = []
         for value in eqn.params.values():
@@ -163,6 +178,64 @@ def _fused_attention_flops(eqn: Any) -> float:
     b, t, n, h = q  # BTNH, the layout jax.nn.dot_product_attention passes
     flops = 2.0 * b * t * k[1] * n * h * _FUSED_ATTENTION[eqn.primitive.name]
     return flops / 2 if "CAUSAL" in str(eqn.params.get("mask_type", "")).upper() else flops
+
+
+def _dynamic_grid(eqn: Any) -> bool:
+    """Whether a ``pallas_call``'s grid has a dimension known only at run time."""
+    grid = getattr(eqn.params.get("grid_mapping"), "grid", ()) or ()
+    return any(not isinstance(g, int) for g in grid)
+
+
+def _grouped_kernel_flops(eqn: Any) -> float | None:
+    """A grouped-matmul kernel's FLOPs (``2 x m x k x n``) from its arrays' shapes, or ``None``.
+
+    Megablox's ``gmm`` (``[m, k] x [g, k, n] -> [m, n]``) and ``tgmm`` (``[m, k]`` and
+    ``[m, n]`` -> ``[g, k, n]``), as MaxText's dropless MoE calls them, run a grid whose
+    row-tile count is data-dependent (a ``DynamicGridDim``): one grid step's matmul times
+    the static dimensions alone misses that factor (a quarter of the FLOPs at 4 row tiles).
+    Every row meets one group's ``k x n`` block, so the kernel's work is ``2 x m x k x n``
+    whatever the grouping. A kernel whose arrays are not one ``[g, a, b]`` and two ``[m, *]``
+    matrices spanning ``a`` and ``b`` is not recognised (``None``)."""
+    arrays = [v.aval.shape for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape")]
+    cubes = [s for s in arrays if len(s) == 3]
+    mats = [s for s in arrays if len(s) == 2]
+    if len(cubes) != 1 or len(mats) != 2:
+        return None
+    _, a, b = cubes[0]
+    (m1, p), (m2, q) = mats
+    if m1 != m2 or {p, q} != {a, b}:
+        return None
+    return 2.0 * m1 * a * b
+
+
+def uncounted_kernels(jaxpr: Any) -> list[str]:
+    """The ``pallas_call`` kernels whose matmuls :func:`matmul_flops` cannot count in full:
+    a grid dimension known only at run time in a kernel that is no grouped matmul it
+    recognises (their static grid dimensions are counted, the dynamic one is not).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from dtensor.analysis.floor import uncounted_kernels
+        >>> uncounted_kernels(jax.make_jaxpr(jnp.dot)(jnp.ones((4, 4)), jnp.ones((4, 4))))
+        []
+    """
+    found: list[str] = []
+
+    def walk(j: Any) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call" and _dynamic_grid(eqn):
+                if _grouped_kernel_flops(eqn) is None:
+                    shapes = [tuple(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
+                    found.append(f"pallas_call {eqn.params.get('name_and_src_info')} {shapes}")
+                continue
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr))
+    return found
 
 
 def _repeats(eqn: Any) -> int:
