@@ -148,7 +148,8 @@ def test_large_models_guide_prose_quotes_the_results():
             f"chip against {mt_ici('2b', v5e)}",
             f"unrolled 7b ({comm('7b', v5e, unrolled)} GiB of collectives against "
             f"{mt_ici('7b', v5e)})",
-            f"(ICI-bound: {comm('llama2-70b', v5p, scan)} GiB against {mt_ici('llama2-70b', v5p)})",
+            f"(compute-bound; {comm('llama2-70b', v5p, scan)} GiB of collectives a chip against "
+            f"{mt_ici('llama2-70b', v5p)}",
             f"{across['dcn_bytes_per_device'] / GIB:.2f} GiB over DCN against MaxText's "
             f"{mt[('llama2-70b', two)]['dcn_bytes_per_device'] / GIB:.2f}",
             f"{repeats[0]:.1f}, {repeats[1]:.1f} and {repeats[2]:.1f} GiB of the ICI bytes "
