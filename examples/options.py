@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
     )
     p.add_argument(
+        "--data",
+        type=int,
+        default=None,
+        help="hybrid: the data-parallel size (replicas, each fsdp over its share of the "
+        "devices); default: one replica a slice",
+    )
+    p.add_argument(
         "--tensor",
         type=int,
         default=None,
@@ -290,7 +297,10 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     if stage > 1 and not hybrid:
         applied["stage"] = "not available"
     expert *= context  # fsdp gets what tensor, expert and context leave
-    if hybrid and (args.tensor or decoder or across or expert > 1 or stage > 1):
+    data = getattr(args, "data", None)
+    if data and not hybrid:
+        applied["data"] = "not available"
+    if hybrid and (args.tensor or decoder or across or expert > 1 or stage > 1 or data):
         from strategies.placement.slices import slice_count
 
         tensor = args.tensor or 1
@@ -324,6 +334,13 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
                 f"{len(devices) // slices // stage // tensor} devices left for fsdp x expert x context (of "
                 f"{len(devices)}, {slices} slice(s), --tensor {tensor}); pass a divisor of it."
             )
+        if data:  # --data D: D replicas, fsdp over what the other axes leave of each
+            if len(devices) % (data * stage * tensor * expert):
+                raise ValueError(
+                    f"--data {data} x --stage {stage} x --tensor {tensor} x --expert x --context "
+                    f"{expert} does not divide the {len(devices)} devices; pass divisors of it."
+                )
+            slices = data
         extra: dict[str, object] = {"rules": rules} if rules is not None and tensor > 1 else {}
         if expert // context > 1:
             extra["expert"] = expert // context

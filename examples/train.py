@@ -204,6 +204,12 @@ def model_flops(argv: list[str]) -> float | None:
     )
 
 
+def search_facts(argv: list[str]) -> dict:
+    """For ``python -m dtensor.aot --search``: the model's shapes, one step's model FLOPs and
+    the flags this script accepts (``examples/facts.py``)."""
+    return sibling("facts").search_facts(parse_args(argv), decoder_module(), SIZES)
+
+
 # ----------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)

@@ -27,7 +27,6 @@ CLI does not know.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import os
@@ -39,50 +38,9 @@ from types import ModuleType
 from typing import Any
 
 from dtensor.core.text import human_bytes
+from dtensor.tpu.scripts import HOOK, AotError, load_script, topology_devices
 
 __all__ = ["AotError", "AotResult", "cli", "compile_script", "load_script", "main", "summary"]
-
-HOOK = "aot_step"
-
-
-class AotError(ValueError):
-    """A script or command line the AOT compiler cannot use."""
-
-
-def load_script(path: str | os.PathLike[str]) -> ModuleType:
-    """Import a Python script as a module (not as ``__main__``) and check it has the hook.
-
-    Args:
-        path: the script's file.
-
-    Returns:
-        The module.
-
-    Raises:
-        AotError: no such file, or no ``aot_step`` in it.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise AotError(
-            f"script {str(path)!r} does not exist (looked in {Path.cwd()}); give the path of a "
-            "training script that defines aot_step(argv, *, devices), e.g. examples/train.py."
-        )
-    spec = importlib.util.spec_from_file_location(f"_dtensor_aot_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise AotError(f"script {str(path)!r} cannot be imported; give a .py file.")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(file.resolve().parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(file.resolve().parent))
-    if not callable(getattr(module, HOOK, None)):
-        raise AotError(
-            f"script {str(path)!r} defines no {HOOK}(argv, *, devices) function; add one that "
-            "parses the script's arguments, builds its strategy over devices and returns "
-            "(strategy, train_step, abstract_args) -- see examples/train.py."
-        )
-    return module
 
 
 class AotResult:
@@ -172,28 +130,6 @@ def compile_script(
     if flops:
         report = report.with_model_flops(flops)
     return AotResult(report, strategy, topology, num_slices, devices, seconds)
-
-
-def topology_devices(topology: str, *, num_slices: int = 1) -> list[Any]:
-    """The devices of a TPU topology (``"v5e:4x4"``) or a GPU one (``"h100:2x8"``).
-
-    Examples:
-        >>> from dtensor.tpu.aot import topology_devices
-        >>> len(topology_devices("h100:2x8", num_slices=2)), len(topology_devices("v5e:2x2"))
-        (32, 4)
-    """
-    from dtensor.gpu.topology import GPU_MODELS, gpu_topology, parse_gpu_topology
-    from dtensor.tpu.topology import tpu_topology
-
-    if topology.strip().lower().partition(":")[0] not in GPU_MODELS:
-        return tpu_topology(topology, num_slices=num_slices)
-    model, slices, hosts, per_host = parse_gpu_topology(topology)
-    if num_slices > 1 and slices > 1:
-        raise AotError(
-            f"--topology {topology} already names {slices} slices; drop --num-slices {num_slices} "
-            f"or write the topology as {model}:{hosts}x{per_host}."
-        )
-    return gpu_topology(f"{model}:{max(slices, num_slices)}x{hosts}x{per_host}")
 
 
 def _human(n: float | None) -> str:
@@ -304,11 +240,24 @@ def _parser() -> argparse.ArgumentParser:
         "hybrid with a tensor axis) for the cheapest configuration that fits, and print its "
         "command line (dtensor.tpu.fit)",
     )
-    p.add_argument("--cache-dir", help="--fit: where compiled results are kept")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search HybridStrategy plans (the six axes, across_slices, pipeline and context "
+        "modes, memory rungs) for the fitting plan with the lowest step-time floor; give the "
+        "model's flags only (dtensor.tpu.search_plans)",
+    )
+    p.add_argument(
+        "--max-compiles",
+        type=int,
+        default=None,
+        help="--search/--fit: compile at most this many plans (default 6 for --search)",
+    )
+    p.add_argument("--cache-dir", help="--search/--fit: where compiled results are kept")
     p.add_argument(
         "--max-gib",
         type=float,
-        help="--fit: fit within this many GiB per chip (default: the chip's usable HBM)",
+        help="--search/--fit: fit within this many GiB per chip (default: the chip's usable HBM)",
     )
     p.add_argument("script", nargs="?", help="the training script (or give it after --)")
     return p
@@ -330,8 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         script, rest = rest[0], rest[1:]
     script_argv = unknown + (["--strategy", args.strategy] if args.strategy else []) + rest
-    if args.fit:
-        return _fit(script, script_argv, args)
+    if args.fit or args.search:
+        return _search(script, script_argv, args)
     from dtensor.analysis.memory import WillNotFitError
 
     try:
@@ -361,39 +310,32 @@ def _write(path: str, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, sort_keys=True, indent=1))
 
 
-def _fit(script: str, script_argv: list[str], args: argparse.Namespace) -> int:
-    """``--fit``: search, print what was tried and the choice with its command line."""
-    from dtensor.tpu.search import fit
+def _search(script: str, script_argv: list[str], args: argparse.Namespace) -> int:
+    """``--search`` / ``--fit``: search, show the compiles, the ranked plans and the choice."""
+    from dtensor.tpu.search import fit, search_plans
+    from dtensor.tpu.views import CompileProgress, render
 
-    print(f"dtensor.aot --fit: {script} {' '.join(script_argv)} on {args.topology}")
+    mode = "search" if args.search else "fit"
+    print(f"dtensor.aot --{mode}: {script} {' '.join(script_argv)} on {args.topology}", flush=True)
+    options: dict[str, Any] = {
+        "topology": args.topology,
+        "num_slices": args.num_slices,
+        "cache_dir": args.cache_dir,
+        "max_bytes_per_chip": None if args.max_gib is None else args.max_gib * (1 << 30),
+    }
+    if args.max_compiles is not None:
+        options["max_compiles"] = args.max_compiles
     try:
-        found = fit(
-            script,
-            script_argv,
-            topology=args.topology,
-            num_slices=args.num_slices,
-            cache_dir=args.cache_dir,
-            max_bytes_per_chip=None if args.max_gib is None else args.max_gib * (1 << 30),
-            log=lambda line: print("  " + line, flush=True),
-        )
+        with CompileProgress() as progress:
+            run = search_plans if args.search else fit
+            found = run(script, script_argv, progress=progress, **options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         _write(args.json, found.to_dict())
-    best = found.best
-    if best is None:
-        print("nothing fits: use more chips, a smaller batch, or a larger tensor size.")
-        return 1
-    floor = best.get("step_time_floor_seconds")
-    mfu = best.get("mfu_ceiling")
-    print(
-        f"fits: {best['name']}: peak {_human(best.get('peak_bytes_per_chip'))} per chip"
-        + (f", step-time floor {floor * 1e3:.1f} ms" if floor else "")
-        + (f", MFU ceiling {mfu:.1%}" if mfu else "")
-    )
-    print(found.command())
-    return 0
+    print(render(found), end="")
+    return 0 if found.best is not None else 1
 
 
 def cli() -> int:

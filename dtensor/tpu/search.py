@@ -1,114 +1,80 @@
-"""Find the options under which a training step fits a TPU topology: ``python -m dtensor.aot --fit``.
+"""The library picks the plan: ``python -m dtensor.aot --search`` and its memory-only mode ``--fit``.
 
-:func:`fit` compiles a script's step (the ``aot_step`` hook of
-:mod:`dtensor.tpu.aot`) for a topology under a ladder of options, in the
-order that costs least first:
+:func:`search_plans` enumerates ``HybridStrategy`` plans for a script's model on a topology
+(:mod:`dtensor.tpu.plans`: the six axes, ``across_slices``, the pipeline and context modes,
+the memory rungs), ranks them by an analytic model of memory and step time
+(:mod:`dtensor.tpu.estimate`), compiles only the most promising few (``max_compiles``), each
+in its own process and cached on disk (:mod:`dtensor.tpu.compiles`), and returns the fitting
+plan with the lowest compiled step-time floor. After each compile the estimates of the plans
+left are corrected by how far the model was from the compiler so far (the geometric mean of
+the compiled/estimated ratios), and the search stops early when no plan left is predicted to
+fit and beat the best compiled floor by more than the model's spread.
 
-1. the options as given;
-2. ``--mixed-precision bf16`` (float32 master variables, bfloat16 reads);
-3. ``--remat`` (recompute each repeated block in the backward pass), then
-   the cheaper-to-run remat policy ``--remat-policy dots_saveable`` (saves
-   the matmul outputs: less recomputation, more memory), then
-   ``--mixed-precision bf16-compute`` (``MixedPrecision(module_dtype=True)``:
-   bfloat16 arithmetic in modules that pin float32 compute, as Flax's own
-   Gemma does);
-4. ``--scan`` (the layers in one ``nnx.scan``: one compiled layer), then,
-   for ``fully_sharded``, ``--gather-layers`` (each scanned layer gathered in
-   the loop body: a lower floor and peak on Llama 2 70B, a higher floor on a
-   Gemma-7B-shaped decoder, so it is tried as a rung that may run faster);
-5. ``--offload-optimizer`` (optimizer state in host memory);
-6. the next preset: ``--strategy hybrid --tensor N`` (Megatron tensor
-   parallelism on top of the fsdp axis) for N = 2, 4.
+:func:`fit` is the same search over the memory rungs only (:func:`ladder`: precision, remat
+and its policy, scan, gather layers, optimizer offload, then a tensor axis), the axes as the
+command line gives them; its choice, too, is the fitting configuration with the lowest floor.
 
-It stops at the first configuration that fits the chip's usable HBM, then
-also compiles those further rungs that may run faster (a lighter remat
-policy), and returns the fitting configuration with the lowest step-time
-floor (:mod:`dtensor.analysis.floor`; rematerialisation raises it), with the
-command line that compiles it. The flags are those of ``examples/train.py``;
-a script opts in by accepting them.
-
-Each compile runs in its own process (a large model's compile holds several
-GiB) through ``python -m dtensor.aot --json``, and its result is cached on
-disk (``$DTENSOR_CACHE_DIR`` or ``~/.cache/dtensor/fit``), keyed by the
-script's text, its arguments, the topology and the jax-dtensor, jax and
-libtpu versions:
-a second ``--fit`` reads them back at once.
+The model's shapes come from the script's ``search_facts(argv) -> dict`` hook
+(``examples/train.py``: parameters, layers, heads, KV heads, hidden, MLP, experts, vocabulary,
+batch, sequence, and the flags it accepts). A script without the hook, or with fewer flags,
+gets a smaller search: the rungs whose flags it has, in the ladder's order (cheapest first),
+stopping at the first fit but for the rungs that may run faster.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import math
 import os
 import shlex
-import subprocess
-import sys
-import tempfile
-from collections.abc import Sequence
-from importlib import metadata
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FitError", "FitResult", "Rung", "choose", "fit", "ladder"]
+from dtensor.tpu.compiles import cache_dir as _cache_dir
+from dtensor.tpu.compiles import cached_compile, merge_flags
+from dtensor.tpu.estimate import Estimate, estimate
+from dtensor.tpu.plans import (
+    KNOB_FLAGS,
+    ModelFacts,
+    Plan,
+    Rung,
+    enumerate_plans,
+    ladder,
+    plan_from_argv,
+)
+from dtensor.tpu.ranking import Calibration, choose, next_candidate
+
+__all__ = [
+    "FitError",
+    "FitResult",
+    "Rung",
+    "SearchResult",
+    "choose",
+    "fit",
+    "ladder",
+    "search_plans",
+]
+
+HOOK = "search_facts"
 
 
 class FitError(ValueError):
-    """A script :func:`fit` cannot search."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Rung:
-    """One configuration of the search: its name and the flags it adds to the script's."""
-
-    name: str
-    flags: tuple[str, ...]
-    faster_than_previous: bool = False  # tried after a fit (less recomputation)
-
-
-def _strategy(argv: Sequence[str]) -> str:
-    argv = list(argv)
-    return argv[argv.index("--strategy") + 1] if "--strategy" in argv[:-1] else ""
-
-
-def ladder(argv: Sequence[str]) -> list[Rung]:
-    """The configurations :func:`fit` tries for a script's ``argv``, in order.
-
-    Examples:
-        >>> from dtensor.tpu.search import ladder
-        >>> [r.name for r in ladder(["--strategy", "fully_sharded"])][:4]
-        ['as given', 'bf16', 'bf16 + remat', 'bf16 + remat (dots_saveable)']
-    """
-    bf16 = ("--mixed-precision", "bf16")
-    remat = (*bf16, "--remat")
-    scan = (*remat, "--scan")
-    rungs = [
-        Rung("as given", ()),
-        Rung("bf16", bf16),
-        Rung("bf16 + remat", remat),
-        Rung("bf16 + remat (dots_saveable)", (*remat, "--remat-policy", "dots_saveable"), True),
-        Rung("bf16 compute + remat", ("--mixed-precision", "bf16-compute", "--remat")),
-        Rung("bf16 + remat + scan", scan),
-        Rung(
-            "bf16 + remat (dots_saveable) + scan",
-            (*scan, "--remat-policy", "dots_saveable"),
-            True,
-        ),
-    ]
-    fsdp = _strategy(argv) in ("", "fully_sharded")
-    if fsdp:  # FullyShardedStrategy(gather_layers=True): a lower floor on some models only
-        rungs.append(Rung("bf16 + remat + scan + gather layers", (*scan, "--gather-layers"), True))
-    rungs.append(Rung("bf16 + remat + scan + offload optimizer", (*scan, "--offload-optimizer")))
-    if fsdp:
-        for t in (2, 4):
-            flags = ("--strategy", "hybrid", "--tensor", str(t), *scan)
-            rungs.append(Rung(f"hybrid tensor={t} + bf16 + remat + scan", flags))
-    return rungs
+    """A script :func:`fit` or :func:`search_plans` cannot search."""
 
 
 @dataclasses.dataclass
-class FitResult:
-    """What :func:`fit` tried (``tried``: one dict per compile) and chose (``best``, or ``None``)."""
+class SearchResult:
+    """What a search tried and chose.
+
+    ``tried`` holds one dict a plan (``name``, ``argv``, ``strategy``: the preset to paste,
+    ``compiled``, ``fits``, ``peak_bytes_per_device``, ``peak_bytes_per_chip``,
+    ``step_time_floor_seconds``, ``bound``, ``mfu_ceiling``, the model's ``estimate`` and
+    ``ratio`` compiled/estimated): the compiled plans first, then the best-ranked ones left
+    (``compiled: False``, their figures the estimate's). ``best`` is the fitting compiled plan
+    with the lowest floor, or ``None``; ``message`` says why nothing fits and what would.
+    """
 
     script: str
     argv: list[str]
@@ -116,6 +82,12 @@ class FitResult:
     num_slices: int
     tried: list[dict[str, Any]]
     best: dict[str, Any] | None
+    mode: str = "fit"
+    compiles: int = 0
+    candidates: int = 0
+    seconds: float = 0.0
+    limit_bytes_per_chip: float | None = None
+    message: str = ""
 
     def command(self, entry: dict[str, Any] | None = None) -> str | None:
         """The command line that compiles ``entry`` (default: the best)."""
@@ -128,91 +100,170 @@ class FitResult:
         return shlex.join([*head, "--", self.script, *entry["argv"]])
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the search, the choice and its command line."""
+        """JSON-ready: ``best``, ``tried``, the command line and the search's figures."""
         return {
             "argv": self.argv,
             "best": self.best,
+            "candidates": self.candidates,
             "command": self.command(),
+            "compiles": self.compiles,
+            "message": self.message,
+            "mode": self.mode,
             "num_slices": self.num_slices,
             "script": self.script,
+            "seconds": self.seconds,
             "topology": self.topology,
             "tried": self.tried,
         }
 
 
-def _merge(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
-    """``argv`` with ``flags`` added; a flag with a value replaces the one in ``argv``."""
-    out = list(argv)
-    i = 0
-    flags = list(flags)
-    while i < len(flags):
-        flag = flags[i]
-        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-        if flag in out:
-            j = out.index(flag)
-            if takes_value and j + 1 < len(out):
-                out[j + 1] = flags[i + 1]
-        else:
-            out += flags[i : i + 2] if takes_value else [flag]
-        i += 2 if takes_value else 1
-    return out
+#: ``--fit``'s result (the same class).
+FitResult = SearchResult
 
 
-def _versions() -> str:
-    from dtensor.version import __version__
-
-    found = [f"jax-dtensor=={__version__}"]
-    for dist in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
-        try:
-            found.append(f"{dist}=={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            continue
-    return ",".join(found)
+@dataclasses.dataclass
+class _Candidate:
+    name: str
+    argv: list[str]
+    plan: Plan | None
+    estimate: Estimate | None
+    faster: bool = False
 
 
-def _cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("DTENSOR_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "dtensor" / "fit"
+def _script(script: str | os.PathLike[str], what: str) -> Path:
+    path = Path(script)
+    if not path.is_file():
+        raise FitError(
+            f"{what}: script {str(script)!r} does not exist (looked in {Path.cwd()}); give a "
+            "training script with an aot_step hook, e.g. examples/train.py."
+        )
+    return path
 
 
-def _key(script: Path, argv: list[str], topology: str, num_slices: int) -> str:
-    h = hashlib.sha256()
-    for part in (script.read_bytes(), json.dumps(argv), topology, str(num_slices), _versions()):
-        h.update(part if isinstance(part, bytes) else part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:32]
+def _hook(path: Path) -> Callable[[list[str]], Any] | None:
+    """The script's ``search_facts`` hook, or ``None``."""
+    from dtensor.tpu.scripts import load_script
+
+    hook = getattr(load_script(path), HOOK, None)
+    return hook if callable(hook) else None
 
 
-def _compile(
-    script: Path, argv: list[str], topology: str, num_slices: int, timeout: float
-) -> dict[str, Any]:
-    """One ``python -m dtensor.aot --json`` compile in its own process: the entry."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "dtensor.aot", "--topology", topology]
-        cmd += ["--num-slices", str(num_slices), "--json", str(out), "--", str(script), *argv]
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS") or "cpu"}
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"fits": False, "error": f"compile timed out after {timeout:.0f} s"}
-        if not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return {"fits": False, "error": " ".join(tail)[-500:]}
-        got = json.loads(out.read_text())
-    report = got.get("report") or {}
-    fit = report.get("memory_fit") or {}
-    return {
-        "fits": bool(got.get("fits", fit.get("fits", False))),
-        "peak_bytes_per_chip": fit.get("bytes_per_chip") or got.get("required_bytes"),
-        "peak_bytes_per_device": report.get("peak_bytes_per_device"),
-        "limit_bytes_per_chip": fit.get("limit_bytes_per_chip") or got.get("available_bytes"),
-        "step_time_floor_seconds": report.get("step_time_floor_seconds"),
-        "mfu_ceiling": report.get("mfu_ceiling"),
-        "compile_seconds": got.get("compile_seconds"),
-    }
+def _facts(hook: Callable[[list[str]], Any] | None, argv: list[str]) -> ModelFacts | None:
+    """``hook(argv)`` as :class:`ModelFacts` (``None`` without a hook)."""
+    if hook is None:
+        return None
+    got = hook(list(argv))
+    if not isinstance(got, dict):
+        raise FitError(
+            f"{HOOK}({argv}) returned {type(got).__name__}; it must return a dict of the "
+            "model's shapes (params, layers, heads, kv_heads, head_dim, hidden, ffn, vocab, "
+            "batch, seq) and the flags the script accepts -- see examples/facts.py."
+        )
+    return ModelFacts.from_dict(got)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Target:
+    chips: int
+    group: int
+    chip: Any
+    limit: float
+
+
+def _target(topology: str, num_slices: int, max_bytes_per_chip: float | None) -> _Target:
+    from dtensor.analysis.hardware import chip_of
+    from dtensor.tpu.scripts import topology_devices
+
+    devices = topology_devices(topology, num_slices=num_slices)
+    gpu = devices[0].platform == "gpu"
+    group = sum(d.process_index == devices[0].process_index for d in devices) if gpu else None
+    chip = chip_of(devices)
+    usable = chip.usable_hbm_gib * 2**30 if chip is not None else math.inf
+    limit = max_bytes_per_chip if max_bytes_per_chip is not None else usable
+    return _Target(len(devices), group or len(devices) // num_slices, chip, limit)
+
+
+def _estimate(plan: Plan | None, facts: ModelFacts | None, target: _Target) -> Estimate | None:
+    if plan is None or facts is None or target.chip is None:
+        return None
+    return estimate(plan, facts, target.chip, group=target.group)
+
+
+def search_plans(
+    script: str | os.PathLike[str],
+    argv: Sequence[str] = (),
+    *,
+    topology: str,
+    num_slices: int = 1,
+    max_compiles: int = 6,
+    cache_dir: str | os.PathLike[str] | None = None,
+    timeout: float = 1800,
+    max_bytes_per_chip: float | None = None,
+    progress: Any = None,
+    log: Callable[[str], None] | None = None,
+    show: int = 12,
+) -> SearchResult:
+    """Search ``HybridStrategy`` plans for ``script``'s model on ``topology`` (module docs).
+
+    Args:
+        script: a training script with the ``aot_step`` hook and, for the full search, the
+            ``search_facts`` hook (``examples/train.py``).
+        argv: the model's flags (``--model-size 2b --batch-size 16 --seq-len 1024``); the
+            plan's flags (axes, precision, remat...) replace any given.
+        topology: a TPU (``"v5e:4x4"``, ``"v5p-128"``) or GPU (``"h100:2x8"``) topology.
+        num_slices: slices joined by DCN.
+        max_compiles: at most this many plans compiled (cached ones count too).
+        cache_dir: where compiles are kept (default ``$DTENSOR_CACHE_DIR`` or
+            ``~/.cache/dtensor/fit``).
+        timeout: seconds per compile.
+        max_bytes_per_chip: fit within this instead of the chip's usable HBM.
+        progress: an object with ``start(name, cached)`` and ``done(entry)`` (the CLI's
+            progress bar), called around each compile.
+        log: called with a line of text after each compile (e.g. ``print``).
+        show: how many plans not compiled to list after the compiled ones.
+
+    Returns:
+        A :class:`SearchResult`; ``best`` is ``None`` when nothing compiled fits.
+
+    Raises:
+        FitError: no such script.
+
+    Examples:
+        A search compiles (a few seconds a plan for the tiny decoder; see
+        ``tests/test_search.py``); what it returns reads like this:
+
+        >>> import dtensor.tpu
+        >>> found = dtensor.tpu.search_plans(  # doctest: +SKIP
+        ...     "examples/train.py", ["--model-size", "tiny", "--batch-size", "16"],
+        ...     topology="v5e:2x4", max_compiles=3)
+        >>> found.best["strategy"]  # doctest: +SKIP
+        'HybridStrategy(data=1, fsdp=8, tensor=1, mixed_precision=MixedPrecision(param_dtype=jnp.bfloat16))'
+        >>> found.command()  # doctest: +SKIP
+        'python -m dtensor.aot --topology v5e:2x4 -- examples/train.py --model-size tiny ...'
+    """
+    path = _script(script, "search")
+    t0 = time.perf_counter()
+    target = _target(topology, num_slices, max_bytes_per_chip)
+    base = _strip_knobs(list(argv))
+    hook = _hook(path)
+    facts = _facts(hook, base)
+    plans = enumerate_plans(facts, chips=target.chips, num_slices=num_slices) if facts else []
+    if plans:
+        accepted = set(facts.flags) if facts else set()
+        candidates = [
+            _Candidate(p.name(), merge_flags(base, _accepted(p.flags(), accepted)), p,
+                       _estimate(p, facts, target))
+            for p in plans
+        ]  # fmt: skip
+    else:  # no hook, or no plan the hook allows: the memory rungs the script takes
+        candidates = _ladder_candidates(path, list(argv), None, hook, target, num_slices)
+    found = _search(path, candidates, target, topology=topology, num_slices=num_slices,
+                    max_compiles=max_compiles, cache=_cache_dir(cache_dir), timeout=timeout,
+                    progress=progress, log=log, show=show)  # fmt: skip
+    return dataclasses.replace(
+        found, script=str(script), argv=list(argv), mode="search",
+        seconds=time.perf_counter() - t0,
+    )  # fmt: skip
 
 
 def fit(
@@ -224,26 +275,30 @@ def fit(
     cache_dir: str | os.PathLike[str] | None = None,
     timeout: float = 1800,
     rungs: Sequence[Rung] | None = None,
-    log: Any = None,
+    log: Callable[[str], None] | None = None,
     max_bytes_per_chip: float | None = None,
-) -> FitResult:
-    """Search the options under which ``script``'s step fits ``topology`` (see the module docs).
+    max_compiles: int | None = None,
+    progress: Any = None,
+) -> SearchResult:
+    """``--fit``: the search over the memory rungs of the preset ``argv`` names (module docs).
 
     Args:
         script: a training script with the ``aot_step`` hook (e.g. ``examples/train.py``).
         argv: its arguments (``--strategy fully_sharded --model-size 2b ...``).
-        topology: a TPU topology (``"v5e:4x4"``).
+        topology: a TPU topology (``"v5e:4x4"``) or a GPU one.
         num_slices: slices joined by DCN.
         cache_dir: where compiled results are kept (default ``$DTENSOR_CACHE_DIR``
             or ``~/.cache/dtensor/fit``).
         timeout: seconds per compile.
-        rungs: the configurations to try (default :func:`ladder`).
+        rungs: the configurations to choose from (default :func:`ladder`).
         log: called with a line of text after each compile (e.g. ``print``).
         max_bytes_per_chip: fit within this many bytes per chip instead of
             the chip's usable HBM (to leave headroom).
+        max_compiles: at most this many compiles (default: as many as it takes).
+        progress: as :func:`search_plans`'s.
 
     Returns:
-        A :class:`FitResult`; ``best`` is ``None`` when nothing fits.
+        A :class:`SearchResult` (``FitResult``); ``best`` is ``None`` when nothing fits.
 
     Raises:
         FitError: no such script.
@@ -257,81 +312,167 @@ def fit(
         >>> FitResult("examples/train.py", [], "v5e:4x4", 1, [best], best).command()
         'python -m dtensor.aot --topology v5e:4x4 -- examples/train.py --model-size 2b --mixed-precision bf16'
     """
-    path = Path(script)
-    if not path.is_file():
-        raise FitError(
-            f"fit: script {str(script)!r} does not exist (looked in {Path.cwd()}); give a "
-            "training script with an aot_step hook, e.g. examples/train.py."
-        )
+    path = _script(script, "fit")
+    t0 = time.perf_counter()
+    target = _target(topology, num_slices, max_bytes_per_chip)
     argv = list(argv)
-    cache = _cache_dir(cache_dir)
-    tried: list[dict[str, Any]] = []
-    found = False
-    for rung in rungs if rungs is not None else ladder(argv):
-        full = _merge(argv, rung.flags)
-        if any(t["argv"] == full for t in tried):
+    candidates = _ladder_candidates(path, argv, rungs, _hook(path), target, num_slices)
+    found = _search(path, candidates, target, topology=topology, num_slices=num_slices,
+                    max_compiles=max_compiles, cache=_cache_dir(cache_dir), timeout=timeout,
+                    progress=progress, log=log, show=0)  # fmt: skip
+    return dataclasses.replace(
+        found, script=str(script), argv=argv, seconds=time.perf_counter() - t0
+    )
+
+
+def _strip_knobs(argv: list[str]) -> list[str]:
+    """``argv`` without the flags a plan sets (the search decides them)."""
+    knobs = set(KNOB_FLAGS.values()) | {"--model-remat", "--xla-plan", "--gather-at-reads"}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in knobs:
+            valued = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            i += 2 if valued else 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _accepted(flags: list[str], accepted: set[str]) -> list[str]:
+    """``flags`` without those (and their values) the script does not take."""
+    out, i = [], 0
+    while i < len(flags):
+        valued = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        if flags[i] in accepted:
+            out += flags[i : i + 2] if valued else [flags[i]]
+        i += 2 if valued else 1
+    return out
+
+
+def _ladder_candidates(
+    path: Path,
+    argv: list[str],
+    rungs: Sequence[Rung] | None,
+    hook: Callable[[list[str]], Any] | None,
+    target: _Target,
+    num_slices: int,
+) -> list[_Candidate]:
+    """The ladder's rungs (or ``rungs``) the script takes, merged into ``argv``, estimated."""
+    facts = _facts(hook, argv)
+    if rungs is None:
+        taken = set(facts.flags) if facts else _flags_in(path)
+        rungs = [r for r in ladder(argv) if all(f in taken for f in r.flags if f.startswith("--"))]
+    out: list[_Candidate] = []
+    for rung in rungs:
+        full = merge_flags(argv, rung.flags)
+        if any(c.argv == full for c in out):
             continue  # the options as given already include this rung's
-        if found and not rung.faster_than_previous:
+        at = _facts(hook, full) if facts is not None and full != argv else facts
+        plan = plan_from_argv(full, chips=target.chips, num_slices=num_slices)
+        out.append(_Candidate(rung.name, full, plan, _estimate(plan, at, target),
+                              rung.faster_than_previous))  # fmt: skip
+    return out
+
+
+def _flags_in(path: Path) -> set[str]:
+    """The ``--flags`` a script without the hook spells in its text."""
+    import re
+
+    return set(re.findall(r"--[a-z][a-z0-9-]*", path.read_text(errors="replace")))
+
+
+def _search(
+    path: Path,
+    candidates: list[_Candidate],
+    target: _Target,
+    *,
+    topology: str,
+    num_slices: int,
+    max_compiles: int | None,
+    cache: Path,
+    timeout: float,
+    progress: Any,
+    log: Callable[[str], None] | None,
+    show: int,
+) -> SearchResult:
+    """The one loop of ``--search`` and ``--fit``: pick, compile, correct the model, repeat."""
+    remaining = list(candidates)
+    calibration = Calibration()
+    tried: list[dict[str, Any]] = []
+    budget = len(candidates) if max_compiles is None else max_compiles
+    while remaining and len(tried) < budget:
+        pick = next_candidate(remaining, tried, calibration, target.limit)
+        if pick is None:
             break
-        key = _key(path, full, topology, num_slices)
-        file = cache / f"{key}.json"
-        if file.exists():
-            entry = {**json.loads(file.read_text()), "cached": True}
-            entry["fits"] = entry.get("compiled_fits", entry["fits"])
-        else:
-            entry = _compile(path, full, topology, num_slices, timeout)
-            if "timed out" not in str(entry.get("error", "")):
-                cache.mkdir(parents=True, exist_ok=True)
-                file.write_text(json.dumps(entry, sort_keys=True))
-            entry["cached"] = False
-        entry["compiled_fits"] = entry["fits"]
-        entry.update(name=rung.name, argv=full)
-        peak = entry.get("peak_bytes_per_chip")
-        if max_bytes_per_chip is not None and peak:
-            entry["fits"] = peak <= max_bytes_per_chip
-            entry["limit_bytes_per_chip"] = max_bytes_per_chip
+        remaining.remove(pick)
+        if progress is not None:
+            progress.start(pick.name, len(tried), budget)
+        entry = cached_compile(path, pick.argv, topology=topology, num_slices=num_slices,
+                               cache=cache, timeout=timeout)  # fmt: skip
+        entry = _entry(pick, entry, target.limit)
+        calibration.add(entry, pick.plan)
         tried.append(entry)
-        found = found or entry["fits"]
+        if progress is not None:
+            progress.done(entry)
         if log is not None:
-            log(_line(entry))
-    return FitResult(str(script), argv, topology, num_slices, tried, choose(tried))
+            from dtensor.tpu.views import line
+
+            log(line(entry))
+    ranked = calibration.rank(remaining, target.limit)[:show]
+    tried += [_predicted(c, calibration, target.limit) for c in ranked]
+    best = choose(tried)
+    result = SearchResult(
+        "", [], topology, num_slices, tried, best,
+        compiles=sum(1 for t in tried if t.get("compiled") and not t.get("cached")),
+        candidates=len(candidates), limit_bytes_per_chip=target.limit,
+    )  # fmt: skip
+    if best is None:
+        from dtensor.tpu.views import no_fit_message
+
+        result.message = no_fit_message(result, target.limit)
+    return result
 
 
-def choose(tried: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fitting entry with the lowest step-time floor; ``None`` when none fits.
-
-    An entry without a floor (a chip the hardware table lacks) ranks after
-    every entry with one, never first as a floor of 0 would; among entries
-    without one the first tried (the least costly rung) wins.
-
-    Examples:
-        >>> from dtensor.tpu.search import choose
-        >>> tried = [{"name": "a", "fits": True, "step_time_floor_seconds": None},
-        ...          {"name": "b", "fits": True, "step_time_floor_seconds": 0.2},
-        ...          {"name": "c", "fits": False, "step_time_floor_seconds": 0.1}]
-        >>> choose(tried)["name"]
-        'b'
-    """
-    fitting = [t for t in tried if t["fits"]]
-
-    def rank(t: dict[str, Any]) -> tuple[bool, float]:
-        floor = t.get("step_time_floor_seconds")
-        return (floor is None, floor or 0.0)
-
-    return min(fitting, key=rank, default=None)
-
-
-def _line(entry: dict[str, Any]) -> str:
-    from dtensor.core.text import human_bytes
-
+def _entry(pick: _Candidate, compiled: dict[str, Any], limit: float) -> dict[str, Any]:
+    entry = {**compiled, "compiled": True, "compiled_fits": compiled["fits"]}
+    entry.update(name=pick.name, argv=pick.argv, strategy=_line(pick))
     peak = entry.get("peak_bytes_per_chip")
-    floor = entry.get("step_time_floor_seconds")
-    mfu = entry.get("mfu_ceiling")
-    parts = [
-        f"{entry['name']}: " + ("fits" if entry["fits"] else "does not fit"),
-        f"peak {human_bytes(peak)} per chip" if peak else entry.get("error", ""),
-        f"floor {floor * 1e3:.1f} ms" if floor else "",
-        f"MFU ceiling {mfu:.1%}" if mfu else "",
-        "(cached)" if entry.get("cached") else "",
-    ]
-    return ", ".join(p for p in parts[:4] if p) + (" " + parts[4] if parts[4] else "")
+    if peak and limit < (entry.get("limit_bytes_per_chip") or math.inf):
+        entry["fits"] = peak <= limit
+        entry["limit_bytes_per_chip"] = limit
+    if pick.estimate is not None:
+        est = pick.estimate
+        entry["estimate"] = est.to_dict()
+        ratio = {}
+        if entry.get("peak_bytes_per_device") and est.peak_bytes_per_device:
+            ratio["peak"] = entry["peak_bytes_per_device"] / est.peak_bytes_per_device
+        if entry.get("step_time_floor_seconds") and est.step_time_floor_seconds:
+            ratio["floor"] = entry["step_time_floor_seconds"] / est.step_time_floor_seconds
+        entry["ratio"] = ratio
+    return entry
+
+
+def _predicted(c: _Candidate, calibration: Any, limit: float) -> dict[str, Any]:
+    """A plan not compiled: its estimate, corrected by the compiles so far."""
+    est = c.estimate
+    assert est is not None  # ranked candidates all have one
+    peak, floor = calibration.predict(est, c.plan)
+    return {
+        "name": c.name,
+        "argv": c.argv,
+        "strategy": _line(c),
+        "compiled": False,
+        "fits": peak <= limit,
+        "peak_bytes_per_device": peak,
+        "peak_bytes_per_chip": peak,
+        "step_time_floor_seconds": floor,
+        "bound": est.bound,
+        "mfu_ceiling": None if est.mfu_ceiling is None else est.mfu_ceiling * (
+            est.step_time_floor_seconds / floor),
+        "estimate": est.to_dict(),
+    }  # fmt: skip
+
+
+def _line(c: _Candidate) -> str:
+    return c.plan.strategy_line() if c.plan is not None else ""

@@ -1,0 +1,142 @@
+"""The library picks the plan: ``python -m dtensor.aot --search`` on MaxText's rows.
+
+    python -m benchmarks.search [--rows 0] [--max-compiles 6] [--limit maxtext,hbm] [--cache-dir D]
+    python -m benchmarks.search --markdown      # the guide's table, from the results file
+
+Each row searches ``HybridStrategy`` plans for ``examples/train.py``'s decoder from the model
+flags alone (no axis size, precision or remat given; ``--attention xla`` as the MaxText
+side-by-side), within MaxText's peak per chip (``--limit maxtext``: the issue's target is a plan at or
+under MaxText's peak and floor) and within the chip's usable HBM (``--limit hbm``: the
+fastest plan that fits), compiling at most ``--max-compiles`` plans with libtpu (no TPU), each in its
+own process and cached on disk as ``--search`` caches (a rerun reads them back). It records
+every plan compiled (its flags, peak per chip, step-time floor and bound, MFU ceiling, the
+analytic estimate and the compiled/estimated ratios), the choice with its ``HybridStrategy``
+line and command, the compiles and the search's time on this machine, beside MaxText's
+compile of the same model and batch (``benchmarks/results/maxtext_side.json``). Writes
+``benchmarks/results/search.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+#: ``(size, topology, slices, global batch, sequence, MaxText's row in maxtext_side.json)``.
+ROWS: list[tuple[str, str, int, int, int, str]] = [
+    ("2b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
+    ("7b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
+    ("gemma3-12b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
+    ("llama2-70b", "v5p:4x4x4", 1, 64, 1024, "v5p:4x4x4"),
+]
+SCRIPT = str(common.REPO / "examples" / "train.py")
+
+
+def _maxtext(size: str, topology: str) -> dict[str, Any] | None:
+    path = common.RESULTS / "maxtext_side.json"
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())["rows"]
+    return next((r for r in rows if r["size"] == size and r["topology"] == topology), None)
+
+
+def run_row(row: tuple[str, str, int, int, int, str], *, max_compiles: int,
+            cache_dir: str | None, limit: str = "maxtext") -> dict[str, Any]:  # fmt: skip
+    """Search one row; the result as the results file keeps it."""
+    import dtensor.tpu
+    from dtensor.tpu.views import CompileProgress, render
+
+    size, topology, slices, batch, seq, side = row
+    argv = ["--model-size", size, "--batch-size", str(batch), "--seq-len", str(seq)]
+    argv += list(common.XLA_ATTENTION)
+    mt = _maxtext(size, side)
+    within = mt["peak_bytes_per_chip"] if limit == "maxtext" and mt is not None else None
+    print(
+        f"search: {size} on {topology}"
+        + (f" x {slices}" if slices > 1 else "")
+        + (f", within MaxText's {within / common.GIB:.2f} GiB" if within else ""),
+        flush=True,
+    )
+    with CompileProgress() as progress:
+        found = dtensor.tpu.search_plans(
+            SCRIPT, argv, topology=topology, num_slices=slices, max_compiles=max_compiles,
+            cache_dir=cache_dir, progress=progress, max_bytes_per_chip=within,
+        )  # fmt: skip
+    print(render(found), flush=True)
+    result = found.to_dict()
+    result["script"] = "examples/train.py"
+    command = found.command()
+    result["command"] = command.replace(SCRIPT, "examples/train.py") if command else None
+    result.update(size=size, maxtext=None, limit=limit,
+                  limit_bytes_per_chip=found.limit_bytes_per_chip)  # fmt: skip
+    if mt is not None:
+        result["maxtext"] = {
+            "peak_bytes_per_chip": mt["peak_bytes_per_chip"],
+            "step_time_floor_seconds": mt["step_time_floor_seconds"],
+        }
+    return result
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """The guide's table: each row's choice beside MaxText's compile."""
+    gib = common.GIB
+    lines = [
+        "| model | topology | within | the search's choice | peak per chip | MaxText | floor "
+        "| MaxText | MFU ceiling | compiled (new) | search time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        best, mt = r["best"], r.get("maxtext") or {}
+        limit = r.get("limit_bytes_per_chip")
+        within = f"{limit / gib:.2f} GiB" if limit else "-"
+        within += " (MaxText's peak)" if r.get("limit") == "maxtext" else " (usable HBM)"
+        head = f"| {r['size']} | {r['topology']} | {within} |"
+        if best is None:
+            lines.append(f"{head} nothing fits | | | | | | | |")
+            continue
+        compiled = sum(1 for t in r["tried"] if t["compiled"])
+        mt_peak = mt.get("peak_bytes_per_chip")
+        mt_floor = mt.get("step_time_floor_seconds")
+        lines.append(
+            f"{head} `{best['name']}` | {best['peak_bytes_per_chip'] / gib:.2f} GiB | "
+            + (f"{mt_peak / gib:.2f} GiB" if mt_peak else "-")
+            + f" | {best['step_time_floor_seconds'] * 1e3:.1f} ms | "
+            + (f"{mt_floor * 1e3:.1f} ms" if mt_floor else "-")
+            + f" | {best['mfu_ceiling']:.0%} | {compiled} ({r['compiles']}) | "
+            f"{r['seconds'] / 60:.1f} min |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--rows", default="0", help="comma-separated row indices (default 0: 2b)")
+    p.add_argument("--max-compiles", type=int, default=6)
+    p.add_argument(
+        "--limit",
+        default="maxtext,hbm",
+        help="comma-separated: fit within MaxText's peak per chip (maxtext) and/or the chip's "
+        "usable HBM (hbm); each row is searched under each (default both)",
+    )
+    p.add_argument("--cache-dir", default=None, help="where compiles are cached (as --search's)")
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--markdown", action="store_true", help="print the guide's table and exit")
+    args = p.parse_args(argv)
+    out = Path(args.out) if args.out else common.RESULTS
+    if args.markdown:
+        print(markdown(json.loads((out / "search.json").read_text())))
+        return 0
+    rows = [run_row(ROWS[int(i)], max_compiles=args.max_compiles, cache_dir=args.cache_dir,
+                    limit=limit) for i in args.rows.split(",")
+            for limit in args.limit.split(",")]  # fmt: skip
+    path = common.write_json("search", {"rows": rows, "max_compiles": args.max_compiles}, out)
+    print(markdown(json.loads(path.read_text())))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""An analytic model of a plan's per-chip memory and step-time floor, before any compile.
+
+``python -m dtensor.aot --search`` ranks thousands of plans (:mod:`dtensor.tpu.plans`) by
+:func:`estimate` and compiles only the most promising few. The model, per device:
+
+Memory (bytes):
+
+- **state**, the ZeRO formula: float32 parameters (4 bytes) and Adam's two moments (8; on
+  the host with ``offload``) and float32 gradients (4), each split over every axis that
+  shards it (all but ``data``; the embeddings not over ``stage``);
+- **gathered weights**: with weights split over ``fsdp x context x expert``, a layer's
+  weights at a time in the compute dtype (the one read and the next, prefetched; every
+  layer of the stage when the gathered weights are kept for the backward pass) and its
+  float32 gradient before it is reduce-scattered, and the embeddings;
+- **activations**: for each of the stage's layers, what the backward pass needs, by the remat
+  rung (``full``: the block input; ``dots_saveable``: every matmul output; ``none``:
+  everything, with XLA attention's ``[heads, seq, seq]`` scores) over the device's tokens
+  (the batch over ``data x fsdp x expert``, the sequence over ``context``), plus one layer's
+  working set (recomputed) or the logits (float32, and in the compute dtype), whichever is
+  larger.
+
+Floor (seconds), as :mod:`dtensor.analysis.floor` reads a compiled program:
+
+- **compute**: the model FLOPs (the script's, else ``6 x params x tokens``) over the chips
+  at the chip's bf16 peak, attention's share counted as its implementation's matmuls are
+  (Splash's backward kernels, cuDNN's causal half), raised by the remat's recomputed forward
+  pass (a third of the layers' matmuls) and by the pipeline's bubble iterations
+  (``(R M + S - 1) / (R M)``);
+- **ICI / DCN**: each axis's collectives at their ring sizes: ``fsdp x context x expert``
+  gathers the weights as XLA's plan does (three times a step, four with remat; once when
+  kept) and reduce-scatters their float32 gradients;
+  ``data`` all-reduces the gradients' shard; ``tensor`` all-reduces ``[tokens, hidden]``
+  four times a layer (six with remat); ``context`` gathers keys and values (and
+  reduce-scatters their gradients); ``expert`` sends each routed token four times (all-to-all;
+  six with remat); ``stage`` passes each microbatch's activations on. An axis that spans
+  slices puts its bytes on DCN (on NVIDIA GPUs: an axis that spans hosts, the share of its
+  bytes that must leave each host, over its GPUs' NICs).
+
+It errs in both directions (XLA's scheduling, fusion and buffer reuse are not modelled): the
+search compiles its best candidates and reports how far each estimate was from the compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dtensor.analysis.hardware import Chip
+from dtensor.tpu.plans import AXES, ModelFacts, Plan
+
+__all__ = ["Estimate", "estimate"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Estimate:
+    """The analytic model's figures for one plan, per device (see the module docs)."""
+
+    state_bytes: float
+    gathered_bytes: float
+    activation_bytes: float
+    working_bytes: float
+    compute_seconds: float
+    ici_seconds: float
+    dcn_seconds: float | None
+    axis_bytes: dict[str, float]
+    networks: tuple[str, str] = ("ICI", "DCN")
+    mfu_ceiling: float | None = None
+
+    @property
+    def peak_bytes_per_device(self) -> float:
+        """State + gathered weights + kept activations + the larger working set."""
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes + self.working_bytes
+
+    @property
+    def step_time_floor_seconds(self) -> float:
+        """The larger of compute and the two networks."""
+        return max(self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0)
+
+    @property
+    def bound(self) -> str:
+        """``"compute"`` or the network that sets the floor."""
+        terms = {"compute": self.compute_seconds, self.networks[0]: self.ici_seconds}
+        terms[self.networks[1]] = self.dcn_seconds or 0.0
+        return max(terms, key=lambda k: terms[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the peak, the floor and its bound."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(
+            peak_bytes_per_device=self.peak_bytes_per_device,
+            step_time_floor_seconds=self.step_time_floor_seconds,
+            bound=self.bound,
+            networks=list(self.networks),
+        )
+        return d
+
+
+#: The attention FLOPs the floor's reader counts, per the model's ``12 x layers x heads x
+#: head_dim x seq x tokens``: XLA's einsums (``q k^T`` and ``p v``, forward and backward) as
+#: the model; Splash's forward (2 matmuls) and backward kernels (3 for dq, 4 for dk/dv), every
+#: grid step, masked blocks included; cuDNN's fused forward and backward (2 + 5), causal: half.
+_ATTENTION_FLOPS = {"xla": 1.0, "splash": 1.5, "cudnn": 7 / 12}
+
+
+def _attention(facts: ModelFacts, chip: Chip, plan: Plan) -> str:
+    """The attention the step runs: the script's choice, ``"auto"`` resolved as
+    ``dtensor.context_attention`` resolves it (Splash on TPU; cuDNN on NVIDIA GPUs in
+    bfloat16 without a context axis; XLA's einsums else)."""
+    if facts.attention != "auto":
+        return facts.attention if facts.attention in _ATTENTION_FLOPS else "xla"
+    if chip.networks == ("NVLink", "IB"):
+        return "cudnn" if plan.precision == "bf16" and plan.context == 1 else "xla"
+    return "splash"
+
+
+def _ring(kind: str, nbytes: float, n: int) -> float:
+    """A collective's bytes per device over ``n`` devices (:mod:`dtensor.analysis.collective`)."""
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
+
+
+def _spanning(plan: Plan, group: int) -> dict[str, int]:
+    """Axis -> how many device groups (slices, hosts) of ``group`` devices its collectives
+    span: the mesh's axes in order, the one ``across_slices`` names outermost."""
+    order = [a for a in AXES if a != plan.across_slices]
+    if plan.across_slices:
+        order.insert(0, plan.across_slices)
+    inner, out = 1, {}
+    for axis in reversed(order):
+        size = plan.sizes[axis]
+        span = max(1, inner * size // max(group, 1)) if inner * size > group else 1
+        out[axis] = min(span, size)
+        inner *= size
+    return out
+
+
+def estimate(
+    plan: Plan,
+    facts: ModelFacts,
+    chip: Chip,
+    *,
+    group: int | None = None,
+) -> Estimate:
+    """The analytic model's memory and floor for ``plan`` (see the module docs).
+
+    Args:
+        plan: the configuration.
+        facts: the model.
+        chip: the accelerator (:data:`dtensor.analysis.hardware.CHIPS`).
+        group: devices within one slice (TPU) or host (GPU); default: all of them.
+
+    Examples:
+        >>> from dtensor.analysis.hardware import CHIPS
+        >>> from dtensor.tpu.estimate import estimate
+        >>> from dtensor.tpu.plans import ModelFacts, Plan
+        >>> facts = ModelFacts(params=2 * 10**9, layers=16, heads=8, kv_heads=8, head_dim=128,
+        ...                    hidden=1024, ffn=4096, vocab=32000, batch=16, seq=1024)
+        >>> e = estimate(Plan(fsdp=16), facts, CHIPS["TPU v5 lite"])
+        >>> round(e.state_bytes / 2**30, 2), e.bound
+        (1.86, 'ICI')
+    """
+    n = plan.chips
+    group = group or n
+    cb = 2.0 if plan.precision == "bf16" else 4.0
+    t, s, d_ = plan.tensor, plan.stage, plan.data
+    g = plan.fsdp * plan.context * plan.expert  # the axes that split the weights as FSDP
+    d, L = facts.hidden, facts.layers
+    embed = facts.vocab * d * (1 if facts.tied else 2)
+    experts = L * facts.experts * 3 * d * facts.ffn if facts.experts else 0
+    stack = max(facts.params - embed, 0)  # the layers (experts included) and final norms
+
+    # --- memory
+    local = stack / (n / d_) + embed / (n / (d_ * s))  # each device's share of the parameters
+    state = local * (4 + 4 + (0 if plan.offload else 8))
+    layer = (stack - experts) / L / t + experts / L / (plan.expert * t)
+    gathered = 0.0
+    if g > 1:  # a layer read and the next prefetched (every layer when kept), the embeddings
+        kept = 2 if plan.reshard else L // s
+        gathered = layer * (kept * cb + 4) + embed / t * cb
+    tokens = facts.batch * facts.seq / (d_ * plan.fsdp * plan.expert * plan.context)
+    hq, hkv = facts.heads * facts.head_dim / t, facts.kv_heads * facts.head_dim / t
+    f = facts.ffn * (facts.experts_per_token if facts.experts else 1) / t
+    kind = _attention(facts, chip, plan)
+    scores = facts.heads / t * facts.seq if kind == "xla" else 0.0
+    everything = cb * (2 * d + 2 * hq + 2 * hkv + 2 * f) + 8 * d + scores * (4 + cb)
+    saved = {
+        "none": everything,
+        "full": cb * d,
+        "dots_saveable": cb * (2 * d + hq + 2 * hkv + 2 * f) + scores * cb,
+    }.get(plan.remat, cb * (2 * d + hq + 2 * hkv + 2 * f))
+    activations = tokens * (L / s) * saved
+    kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
+    working = tokens * (everything if plan.remat != "none" else 0.0) + kv
+    logits = tokens * facts.vocab / t * (4 + cb)
+    working = max(working, logits)
+
+    # --- floor
+    gpu = chip.networks == ("NVLink", "IB")
+    tokens_all = facts.batch * facts.seq
+    mf = facts.model_flops or 6.0 * facts.params * tokens_all
+    att = min(12.0 * L * facts.heads * facts.head_dim * facts.seq * tokens_all, mf)
+    head = min(6.0 * facts.vocab * d * tokens_all, mf - att)
+    # the recomputed forward pass: a third of the layers' matmuls (XLA's attention's too)
+    again = 1 / 3 if plan.remat == "full" else 0.0
+    flops = (mf - att - head) * (1 + again) + head
+    flops += att * (_ATTENTION_FLOPS[kind] + (again if kind == "xla" else 0.0))
+    rounds = max(1, L // s) if plan.schedule == "circular" else 1
+    if s > 1:
+        m = plan.microbatches * rounds
+        flops *= (m + s - 1) / m
+    compute = flops / n / chip.peak_flops
+    passes = 6 if plan.remat == "full" else 4  # forward, backward (and recomputed forward)
+    weights = (stack - experts) / (t * s) + experts / (plan.expert * t * s) + embed / t
+    by_axis = {a: 0.0 for a in AXES}
+    # XLA's plan (gather_at_read=False, the TPU and GPU default) gathers a weight about
+    # three times a step, four with remat (Gemma 2B on v5e:4x4: 4.5); libtpu's
+    # reduce-scatter is a ring of collective permutes that the HLO reader counts twice.
+    gathers = (4 if plan.remat == "full" else 3) if plan.reshard else 1
+    fsdp_bytes = _ring("all-gather", weights * cb, g) * gathers
+    fsdp_bytes += _ring("reduce-scatter", weights * 4, g) * (1 if gpu else 2)
+    for axis in ("fsdp", "context", "expert"):  # one group: share it by the axes' sizes
+        by_axis[axis] += (
+            fsdp_bytes
+            * (plan.sizes[axis] > 1)
+            / max(sum(plan.sizes[a] > 1 for a in ("fsdp", "context", "expert")), 1)
+        )
+    by_axis["data"] = _ring("all-reduce", weights / g * 4, d_)
+    act = tokens * d * cb
+    by_axis["tensor"] = _ring("all-reduce", act, t) * (passes * L / s + 2)
+    kv_bytes = _ring("all-gather", tokens * plan.context * 2 * hkv * cb, plan.context)
+    by_axis["context"] += kv_bytes * (3 if plan.remat == "full" else 2) * L / s
+    if facts.experts:
+        sent = tokens * facts.experts_per_token * d * cb
+        by_axis["expert"] += _ring("all-to-all", sent, plan.expert) * passes * L / s
+    if s > 1:
+        m = plan.microbatches * rounds
+        by_axis["stage"] = 2 * (m + s - 1) * act / plan.microbatches
+    spans = _spanning(plan, group)
+    within = between = 0.0
+    for axis, nbytes in by_axis.items():
+        h, size = spans[axis], plan.sizes[axis]
+        if h <= 1:
+            within += nbytes
+        elif gpu:  # what must leave each host, over its GPUs' NICs (dtensor.analysis.floor)
+            between += nbytes * ((h - 1) / h) / ((size - 1) / size) / (size / h)
+        else:
+            between += nbytes
+    dcn = None if chip.dcn_bytes_per_s is None else between / chip.dcn_bytes_per_s
+    if dcn is None and between:
+        within += between  # no published DCN figure: charge it to the network within
+    floor = max(compute, within / chip.ici_bytes_per_s, dcn or 0.0)
+    return Estimate(
+        state_bytes=state,
+        gathered_bytes=gathered,
+        activation_bytes=activations,
+        working_bytes=working,
+        compute_seconds=compute,
+        ici_seconds=within / chip.ici_bytes_per_s,
+        dcn_seconds=dcn,
+        axis_bytes=by_axis,
+        networks=chip.networks,
+        mfu_ceiling=mf / (n * chip.peak_flops * floor) if floor > 0 else None,
+    )

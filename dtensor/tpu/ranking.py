@@ -1,0 +1,155 @@
+"""Which plan ``--search`` / ``--fit`` compiles next, and when it stops (:mod:`dtensor.tpu.search`).
+
+With the analytic model (:mod:`dtensor.tpu.estimate`): the plan predicted to fit with the
+lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
+with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
+compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
+best plan left, even at the most favourable ratio seen, would not beat the best compiled floor.
+
+Without the model (a script with no ``search_facts`` hook): the candidates in their order (the
+ladder's, cheapest first), stopping at the first fit but for the rungs marked as possibly
+faster after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Calibration", "choose", "next_candidate"]
+
+
+class Calibration:
+    """The compiled/estimated ratios of peak and floor seen so far, by plan family (the axes
+    above 1, and the schedule with a pipeline): a plan's estimate is corrected by its own
+    family's ratios where one of it was compiled, else by all of them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, float | None, float | None]] = []
+
+    @property
+    def floor(self) -> list[float]:
+        """Every compiled/estimated floor ratio seen."""
+        return [f for _, _, f in self.seen if f]
+
+    def add(self, entry: dict[str, Any], plan: Any = None) -> None:
+        """Learn from a compiled entry's ``ratio`` (if it has one) for ``plan``."""
+        ratio = entry.get("ratio") or {}
+        if ratio.get("peak") or ratio.get("floor"):
+            self.seen.append((_family(plan), ratio.get("peak"), ratio.get("floor")))
+
+    @staticmethod
+    def _mean(xs: Sequence[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 1.0
+
+    def predict(self, est: Any, plan: Any = None) -> tuple[float, float]:
+        """``(peak, floor)`` of an estimate, corrected by the ratios seen.
+
+        Examples:
+            >>> from types import SimpleNamespace
+            >>> from dtensor.tpu.ranking import Calibration
+            >>> c = Calibration(); c.add({"ratio": {"peak": 2.0, "floor": 0.5}})
+            >>> c.predict(SimpleNamespace(peak_bytes_per_device=10.0, step_time_floor_seconds=1.0))
+            (20.0, 0.5)
+        """
+        family = _family(plan)
+        own = [x for x in self.seen if x[0] == family] or self.seen
+        return (
+            est.peak_bytes_per_device * self._mean([p for _, p, _ in own if p]),
+            est.step_time_floor_seconds * self._mean([f for _, _, f in own if f]),
+        )
+
+    def optimism(self) -> float:
+        """How much lower than predicted a floor may come out: the largest ratio seen over the
+        smallest (at least 1.15, the model's spread on the tiny decoders)."""
+        if len(self.floor) < 2:
+            return 1.15
+        return max(1.15, max(self.floor) / min(self.floor))
+
+    def rank(self, candidates: Sequence[Any], limit: float) -> list[Any]:
+        """Candidates with an estimate: those predicted to fit by predicted floor (floors
+        within 2% of each other by the simpler plan, then the lower peak), then the rest by
+        predicted peak."""
+        scored = [
+            (c, *self.predict(c.estimate, c.plan)) for c in candidates if c.estimate is not None
+        ]
+        fitting = sorted((x for x in scored if x[1] <= HEADROOM * limit), key=_order)
+        over = sorted((x for x in scored if x[1] > HEADROOM * limit), key=lambda x: x[1])
+        return [x[0] for x in fitting + over]
+
+
+#: A plan is predicted to fit when its predicted peak is within this fraction of the limit
+#: (the rest is the program's code and the compiler's own buffers).
+HEADROOM = 0.95
+
+
+def _family(plan: Any) -> tuple[str, ...]:
+    """The axes above 1 (and a pipeline's schedule): plans the model errs alike on."""
+    if plan is None:
+        return ()
+    axes = tuple(a for a, n in plan.sizes.items() if n > 1)
+    return axes + ((plan.schedule,) if plan.stage > 1 else ())
+
+
+def _order(scored: tuple[Any, float, float]) -> tuple[int, int, float]:
+    """Sort key of a predicted-fitting candidate: its floor in 2% steps, the plan's
+    complexity (axes above 1, a ring, a circular schedule, kept weights), its peak."""
+    candidate, peak, floor = scored
+    plan = candidate.plan
+    complexity = 0
+    if plan is not None:
+        complexity = sum(n > 1 for n in plan.sizes.values())
+        complexity += (plan.context_mode == "ring") + (plan.schedule == "circular")
+        complexity += (not plan.reshard) + (plan.remat not in ("none", "full"))
+    return (round(math.log(max(floor, 1e-12)) / math.log(1.02)), complexity, peak)
+
+
+def next_candidate(
+    remaining: Sequence[Any],
+    tried: Sequence[dict[str, Any]],
+    calibration: Calibration,
+    limit: float,
+) -> Any | None:
+    """The candidate to compile next, or ``None`` to stop (see the module docs)."""
+    best = choose(tried)
+    scored = [
+        (c, *calibration.predict(c.estimate, c.plan)) for c in remaining if c.estimate is not None
+    ]
+    if not scored:  # no model: the given order
+        first = remaining[0]
+        return None if best is not None and not first.faster else first
+    fitting = [x for x in scored if x[1] <= HEADROOM * limit]
+    if fitting:
+        pick, _, floor = min(fitting, key=_order)
+        best_floor = (best or {}).get("step_time_floor_seconds")
+        if best_floor and floor / calibration.optimism() >= best_floor:
+            return None
+        return pick
+    if best is not None:
+        return None
+    return min(scored, key=lambda x: x[1])[0]
+
+
+def choose(tried: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fitting compiled entry with the lowest step-time floor; ``None`` when none fits.
+
+    An entry without a floor (a chip the hardware table lacks) ranks after every entry with
+    one, never first as a floor of 0 would; among entries without one the first tried (the
+    least costly rung) wins. Estimated-only entries (``compiled: False``) never win.
+
+    Examples:
+        >>> from dtensor.tpu.ranking import choose
+        >>> tried = [{"name": "a", "fits": True, "step_time_floor_seconds": None},
+        ...          {"name": "b", "fits": True, "step_time_floor_seconds": 0.2},
+        ...          {"name": "c", "fits": False, "step_time_floor_seconds": 0.1}]
+        >>> choose(tried)["name"]
+        'b'
+    """
+    fitting = [t for t in tried if t["fits"] and t.get("compiled", True)]
+
+    def rank(t: dict[str, Any]) -> tuple[bool, float]:
+        floor = t.get("step_time_floor_seconds")
+        return (floor is None, floor or 0.0)
+
+    return min(fitting, key=rank, default=None)
