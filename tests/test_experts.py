@@ -7,6 +7,8 @@ expert rule, explain's dispatch figures, and the TPU and GPU compilers' programs
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,17 +46,28 @@ def _close(got, want, rtol):
 
 
 # ------------------------------------------------------------------------- dtensor.expert_mlp
+def _by_hand(x, ids, weights, gate, up, down, activation=jax.nn.silu):
+    """Each token's k experts one at a time (numpy): ``sum_j w_j down_e(act(t gate_e) * (t
+    up_e))``, or ``down_e(act(t up_e))`` without ``gate``."""
+    x, ids, weights, up, down = (np.asarray(a, np.float64) for a in (x, ids, weights, up, down))
+    gate = None if gate is None else np.asarray(gate, np.float64)
+    out = np.zeros(x.shape)
+    for index in np.ndindex(*x.shape[:-1]):
+        t = x[index]
+        for j in range(ids.shape[-1]):
+            e = int(ids[index + (j,)])
+            if gate is None:
+                h = np.asarray(activation(t @ up[e]))
+            else:
+                h = np.asarray(activation(t @ gate[e])) * (t @ up[e])
+            out[index] += weights[index + (j,)] * (h @ down[e])
+    return out
+
+
 def test_expert_mlp_without_mesh_is_each_token_s_weighted_experts():
     x, ids, weights, gate, up, down = _moe_inputs(batch=2, seq=4)
     got = dtensor.expert_mlp(x, ids, weights, gate, up, down)
-    # By hand: each token's k experts, one at a time.
-    want = np.zeros(x.shape, np.float32)
-    for b in range(2):
-        for s in range(4):
-            for j in range(K):
-                e, t = int(ids[b, s, j]), x[b, s]
-                h = jax.nn.silu(t @ gate[e]) * (t @ up[e])
-                want[b, s] += float(weights[b, s, j]) * np.asarray(h @ down[e])
+    want = _by_hand(x, ids, weights, gate, up, down)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -97,16 +110,99 @@ def test_expert_mlp_under_jax_s_own_set_mesh_matches_one_device():
 
 
 def test_expert_mlp_ungated_and_imbalanced_routing():
-    """Every token to the same two experts: one device receives all rows (the dropless
-    buffer's worst case), the others none; still exact."""
+    """Without a gate, gelu, every token to the same two experts: one device receives all
+    rows (the dropless buffer's worst case), the others none; still each token's experts by
+    hand, with a mesh and without."""
     x, _, weights, _, up, down = _moe_inputs()
     ids = jnp.broadcast_to(jnp.asarray([5, 6], jnp.int32), weights.shape)
-    want = dtensor.expert_mlp(x, ids, weights, None, up, down, activation=jax.nn.gelu)
+    want = _by_hand(x, ids, weights, None, up, down, activation=jax.nn.gelu)
+    alone = dtensor.expert_mlp(x, ids, weights, None, up, down, activation=jax.nn.gelu)
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5)
     with dtensor.create_mesh([("data", 2), ("expert", 4)]):
-        got = jax.jit(lambda *a: dtensor.expert_mlp(*a, activation=jax.nn.gelu), static_argnums=())(
+        got = jax.jit(lambda *a: dtensor.expert_mlp(*a, activation=jax.nn.gelu))(
             x, ids, weights, None, up, down
         )
     _close(got, want, 1e-6)
+
+
+def _ragged_all_to_all_model(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, **kw
+):
+    """``jax.lax.ragged_all_to_all`` as its documentation defines it, in numpy, for XLA:CPU
+    (which has no ragged all-to-all): every device's arguments all-gathered over the axis,
+    then each device writes what each peer sends it. It also checks what the collective
+    trusts its caller with: each receiver expects what its sender sends, every slice lies
+    within its buffers, and no two slices land on the same rows."""
+    assert not kw.get("axis_index_groups")
+    me = jax.lax.axis_index(axis_name)
+    peers = [
+        jax.lax.all_gather(a, axis_name)
+        for a in (operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+    ]
+
+    def model(output, me, operands, starts, sends, lands, recvs):
+        result, written = np.array(output), np.zeros(len(output), bool)
+        for sender in range(len(operands)):
+            size = int(sends[sender, me])
+            assert size == recvs[me, sender], (sender, me, size, recvs[me])
+            src, dst = int(starts[sender, me]), int(lands[sender, me])
+            assert 0 <= src and src + size <= operands.shape[1], (sender, src, size)
+            assert 0 <= dst and dst + size <= len(result), (sender, dst, size)
+            assert not written[dst : dst + size].any(), (sender, dst, size)
+            result[dst : dst + size] = operands[sender, src : src + size]
+            written[dst : dst + size] = True
+        return result
+
+    shape = jax.ShapeDtypeStruct(output.shape, output.dtype)
+    return jax.pure_callback(model, shape, output, me, *peers)
+
+
+@pytest.mark.parametrize(
+    ("dims", "routing"),
+    [
+        ([("data", 2), ("expert", 4)], "random"),
+        ([("data", 2), ("expert", 4)], "imbalanced"),
+        ([("expert", 8)], "random"),
+        ([("data", 2), ("fsdp", 2), ("expert", 2)], "random"),
+    ],
+    ids=["data2-expert4", "data2-expert4-imbalanced", "expert8", "data2-fsdp2-expert2"],
+)
+def test_ragged_exchange_on_a_model_of_the_collective_is_one_device_s(monkeypatch, dims, routing):
+    """The ragged path (TPU's and GPU's) run on CPU with ``ragged_all_to_all`` replaced by a
+    numpy model of it: the offsets and sizes it computes, out and back, give each token's
+    experts as on one device (so as the dense exchange, which
+    test_expert_mlp_under_a_mesh_matches_one_device_forward_and_backward checks on the same
+    inputs), forward; with every token routed to the same two experts (one device receives
+    all rows) too. An offset one row off fails."""
+    x, ids, weights, gate, up, down = _moe_inputs()
+    if routing == "imbalanced":
+        ids = jnp.broadcast_to(jnp.asarray([5, 6], jnp.int32), weights.shape)
+    want = dtensor.expert_mlp(x, ids, weights, gate, up, down)
+    calls = []
+
+    def model(*args, **kw):
+        calls.append(kw["axis_name"])
+        return _ragged_all_to_all_model(*args, **kw)
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", model)
+    ragged = functools.partial(dtensor.expert_mlp, exchange="ragged")
+    with dtensor.create_mesh(dims):
+        got = jax.jit(ragged)(x, ids, weights, gate, up, down)
+    assert calls == ["expert", "expert"]  # out and back
+    _close(got, want, 1e-6)
+    if routing != "random" or len(dims) != 2:
+        return
+
+    def one_off(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, **kw):
+        return _ragged_all_to_all_model(
+            operand, output, input_offsets, send_sizes, output_offsets + 1, recv_sizes, **kw
+        )
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", one_off)
+    ragged = functools.partial(dtensor.expert_mlp, exchange="ragged")  # traced anew
+    with pytest.raises((AssertionError, jax.errors.JaxRuntimeError)):
+        with dtensor.create_mesh(dims):
+            _close(jax.jit(ragged)(x, ids, weights, gate, up, down), want, 1e-6)
 
 
 def test_expert_mlp_errors_name_the_sizes_and_the_fix():

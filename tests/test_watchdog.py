@@ -119,6 +119,7 @@ _JOB = """
     dtensor.initialize("127.0.0.1:{port}", 1, 0, summary=False)
     from jax.experimental import multihost_utils
     print("joined", flush=True)
+    print(f"SIGTERM at {{time.time()}}", flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     {after}
 """
@@ -146,5 +147,12 @@ def test_sigterm_ends_a_stuck_process_with_143_after_the_grace():
         _JOB.format(port=free_port(), after="threading.Event().wait()"),
         DTENSOR_SIGTERM_GRACE_S="1",
     )
+    ended = time.time()
     assert code == 143, out
     assert "got SIGTERM; it ends with exit status 143 within 1 s" in out, out
+    # It waited out the grace (1 s from the signal), then ended by itself: far sooner than
+    # the 60 s the subprocess is allowed (20 s leaves room for a loaded machine's exit).
+    (sent,) = [
+        float(line.split()[-1]) for line in out.splitlines() if line.startswith("SIGTERM at")
+    ]
+    assert 1.0 <= ended - sent < 20 and ended - sent <= took, (ended - sent, took, out)

@@ -103,7 +103,7 @@ def main() -> None:
             print("process 0 going away", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if scenario in ("kill", "raise") and me == 1 and i == 3:
-            print("process 1 going away", flush=True)
+            print(f"process 1 going away at {time.time()}", flush=True)
             if scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("process 1 failed on purpose")
