@@ -43,14 +43,15 @@ $(VENV_LATEST)/.installed: pyproject.toml
 	$(VENV_LATEST)/bin/python -m pip install -q --upgrade -e '.[test]' $(NEWEST)
 	touch $@
 
-# make test's suite again on the newest end of the range (a second venv).
+# make test's suite again on the newest end of the range (a second venv), with the extended
+# equality tests of the newer axes (marked `latest` in tests/conftest.py).
 test-latest: $(VENV_LATEST)/.installed
 	@$(VENV_LATEST)/bin/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as o; \
 	  print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, \
 	        'flax', flax.__version__, 'optax', optax.__version__)"
 	$(VENV_LATEST)/bin/python .ci/check_newest.py $(NEWEST)
 	$(VENV_LATEST)/bin/python -m benchmarks.third_party --if-pinned
-	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended"
+	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not extended or latest"
 
 lint: install
 	$(VENV)/bin/ruff check dtensor strategies tests examples benchmarks
