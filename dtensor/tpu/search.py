@@ -445,8 +445,10 @@ def _entry(pick: _Candidate, compiled: dict[str, Any], limit: float) -> dict[str
         est = pick.estimate
         entry["estimate"] = est.to_dict()
         ratio = {}
-        if entry.get("peak_bytes_per_device") and est.peak_bytes_per_device:
-            ratio["peak"] = entry["peak_bytes_per_device"] / est.peak_bytes_per_device
+        # a program over the HBM reports only its peak per chip (code included): still a ratio
+        peak = entry.get("peak_bytes_per_device") or entry.get("peak_bytes_per_chip")
+        if peak and est.peak_bytes_per_device:
+            ratio["peak"] = peak / est.peak_bytes_per_device
         if entry.get("step_time_floor_seconds") and est.step_time_floor_seconds:
             ratio["floor"] = entry["step_time_floor_seconds"] / est.step_time_floor_seconds
         entry["ratio"] = ratio
