@@ -194,7 +194,8 @@ def test_large_models_guide_prose_quotes_the_results():
 
 def test_large_models_guide_names_fit_s_ladder_in_order():
     names = [r.name for r in ladder(["--strategy", "fully_sharded"])]
-    assert "bf16 + remat (dots_saveable) + scan" in names and any(
+    # gather layers is no rung: on the true slices it lowers no model's floor or peak.
+    assert "bf16 + remat (dots_saveable) + scan" in names and not any(
         "gather layers" in n for n in names
     )
     _missing("docs/guides/large_models.md", ["; ".join(names)])

@@ -236,9 +236,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fit",
         action="store_true",
-        help="search the options (bf16, remat, remat policy, scan, optimizer offload, then "
-        "hybrid with a tensor axis) for the cheapest configuration that fits, and print its "
-        "command line (dtensor.tpu.fit)",
+        help="search the memory rungs (bf16; remat, then its dots_saveable policy; bf16 "
+        "compute; scan, then scan with dots_saveable; optimizer offload; then hybrid with a "
+        "tensor axis of 2, 4) for the fitting configuration with the lowest step-time floor, "
+        "and print its command line (dtensor.tpu.fit; --search's memory-only mode)",
     )
     p.add_argument(
         "--search",

@@ -11,7 +11,7 @@ the compiled/estimated ratios), and the search stops early when no plan left is 
 fit and beat the best compiled floor by more than the model's spread.
 
 :func:`fit` is the same search over the memory rungs only (:func:`ladder`: precision, remat
-and its policy, scan, gather layers, optimizer offload, then a tensor axis), the axes as the
+and its policy, scan, optimizer offload, then a tensor axis), the axes as the
 command line gives them; its choice, too, is the fitting configuration with the lowest floor.
 
 The model's shapes come from the script's ``search_facts(argv) -> dict`` hook
