@@ -3,13 +3,17 @@
 The equality tests (tests/test_pipeline.py, test_context.py, test_experts.py,
 test_compose.py...) show that each axis computes single-device JAX's numbers,
 which a silently replicated axis does too. Here the tiny example decoder's
-training step under each axis beside ``data`` (8 CPU devices; one compile
-each, shared by the tests that read it) is read back through ``explain()``:
-the axis's collectives (tests/signatures.py says which) and the per-device
-argument bytes, which fall by the axis's size for what it splits. The TPU
-compiler's programs (libtpu, deviceless) are read the same way: ``tensor``
-here, ``context`` ring in tests/test_context.py, ``expert`` in
-tests/test_experts.py; all six axes at once in tests/test_compose.py.
+training step under each axis beside ``data`` (8 CPU devices) is compiled once
+and read back through ``explain()``: the axis's collectives (tests/signatures.py
+says which) and the per-device argument bytes, which fall by the axis's size
+for what it splits. The TPU compiler's programs (libtpu, deviceless) are read
+the same way: ``tensor`` here, ``context`` gather and ring in
+tests/test_context.py, ``expert`` in tests/test_experts.py; all six axes at
+once in tests/test_compose.py.
+
+Each case is compiled by the one test that reads it (xdist's ``xdist_group``
+cannot keep tests on one worker under pytest 9.2, so a shared fixture could
+compile a case on both workers).
 """
 
 from __future__ import annotations
@@ -28,9 +32,6 @@ from examples.decoder import CONFIGS, Block, Decoder, tensor_rules
 from tests import signatures as sig
 from tests.test_decoder import _batches, _step
 
-# All on one worker: each case's compile is shared by the tests that read it.
-pytestmark = pytest.mark.xdist_group("axis_signatures")
-
 TINY = CONFIGS["tiny"]
 BATCH, SEQ = 16, 16
 D = TINY.d_model
@@ -46,6 +47,8 @@ CASES = {
         r"attn/(query|key|value|out)$|mlp/(gate|up|down)$|embed$",
         4,
     ),
+    # min_shard_bytes=0 and tiny sizes that divide: fsdp, context and expert split every
+    # variable (but the optimizer's step count, a scalar)
     "fsdp": (TINY, dict(data=4, fsdp=2), "fsdp", r".", 8),
     "stage-scan-gpipe": (
         TINY.replace(scan=True),
@@ -73,52 +76,34 @@ def _build(cfg):
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
 
-class _Compiled:
-    """Each case's strategy and explain() report, compiled on first use (per test process)."""
-
-    def __init__(self):
-        self._done = {}
-
-    def __getitem__(self, name):
-        if name not in self._done:
-            cfg, kw, *_ = CASES[name]
-            s = strategies.HybridStrategy(min_shard_bytes=0, **kw)
-            with s.scope():
-                model, opt = _build(cfg)
-            batch = _batches(cfg, n=1, batch=BATCH, seq=SEQ)[0]
-            self._done[name] = s, s.explain(_step, args=(model, opt, batch))
-        return self._done[name]
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    return _Compiled()
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_argument_bytes_fall_by_the_axis_size_for_what_it_splits(compiled, name):
+def _compiled(name):
+    """The case's strategy and its step's explain() report, its argument split checked: the
+    variables it names split over the axis, the compiled arguments' bytes fallen by 2 for
+    them."""
     cfg, kw, axis, splits, batch_shards = CASES[name]
-    _, report = compiled[name]
-    # min_shard_bytes=0 and tiny sizes that divide: fsdp, context and expert split every
-    # variable (but the optimizer's step count, a scalar).
+    s = strategies.HybridStrategy(min_shard_bytes=0, **kw)
+    with s.scope():
+        model, opt = _build(cfg)
+    report = s.explain(_step, args=(model, opt, _batches(cfg, n=1, batch=BATCH, seq=SEQ)[0]))
     pattern = re.compile(splits)
     sig.assert_splits(
         report,
         {axis: 2},
-        lambda p: bool(pattern.search(p)),
+        lambda path: bool(pattern.search(path)),
         batch_bytes=BATCH_BYTES // batch_shards,
     )
+    return s, report
 
 
-def test_tensor_all_reduces_activations(compiled):
-    _, report = compiled["tensor"]
+def test_tensor_all_reduces_activations_and_halves_the_matmul_weights():
+    _, report = _compiled("tensor")
     sig.assert_tensor(report.collectives, rows=BATCH // 4, seq=SEQ, d_model=D, layers=2)
 
 
-def test_fsdp_gathers_the_weights_and_reduce_scatters_their_gradients(compiled):
+def test_fsdp_gathers_the_weights_reduce_scatters_their_gradients_and_halves_all():
     """The gather-at-read plan (CPU's default): each block weight all-gathered over fsdp and
     its gradient reduce-scattered to its half (the embedding, read by a gather, all-reduces)."""
-    _, report = compiled["fsdp"]
+    _, report = _compiled("fsdp")
     weights = {
         v.path: (v.shape, _half(v.shape, v.layout))
         for v in report.variables
@@ -137,10 +122,11 @@ def _half(shape, layout):
 @pytest.mark.parametrize(
     ("name", "rows", "ticks"),
     [("stage-scan-gpipe", 1, 4 + 2 - 1), ("stage-list-circular", 2, 2 * 2 + 2 - 1)],
+    ids=["scan-gpipe", "list-circular"],
 )
-def test_stage_permutes_microbatches_and_has_a_bubble(compiled, name, rows, ticks):
+def test_stage_permutes_microbatches_has_a_bubble_and_halves_the_layers(name, rows, ticks):
     """A microbatch (16 rows / M / data 4) passed on once a tick, each way; the bubble."""
-    s, report = compiled[name]
+    s, report = _compiled(name)
     sig.assert_stage(
         report.collectives,
         rows=rows,
@@ -155,29 +141,22 @@ def test_stage_permutes_microbatches_and_has_a_bubble(compiled, name, rows, tick
         assert sig.over(report.collectives, "all-to-all", "stage")
 
 
-def test_context_gather_all_gathers_k_and_v(compiled):
-    _, report = compiled["context-gather"]
+def test_context_gather_all_gathers_k_and_v_and_runs_no_ring():
+    _, report = _compiled("context-gather")
     sig.assert_context_gather(report.collectives, kv=KV, layers=2)
+    with pytest.raises(AssertionError):  # what tells the modes apart: no ring here
+        sig.assert_context_ring(report.collectives, kv=KV, layers=2, context=2)
 
 
-def test_context_ring_permutes_k_and_v_and_never_gathers_them(compiled):
-    _, report = compiled["context-ring"]
+def test_context_ring_permutes_k_and_v_and_never_gathers_them():
+    _, report = _compiled("context-ring")
     sig.assert_context_ring(report.collectives, kv=KV, layers=2, context=2)
+    with pytest.raises(AssertionError):  # and no K/V gather here
+        sig.assert_context_gather(report.collectives, kv=KV, layers=2)
 
 
-def test_the_two_context_modes_are_different_programs(compiled):
-    """What tells them apart: the gather program has no ring, the ring program no K/V
-    gather (each signature fails on the other's program)."""
-    gather = compiled["context-gather"][1].collectives
-    ring = compiled["context-ring"][1].collectives
-    with pytest.raises(AssertionError):
-        sig.assert_context_ring(gather, kv=KV, layers=2, context=2)
-    with pytest.raises(AssertionError):
-        sig.assert_context_gather(ring, kv=KV, layers=2)
-
-
-def test_expert_dispatches_by_all_to_all(compiled):
-    _, report = compiled["expert"]
+def test_expert_dispatches_by_all_to_all():
+    _, report = _compiled("expert")
     sig.assert_expert(report.collectives, layers=2)
     assert report.dispatch_bytes_per_device > 0
     stacks = [v for v in report.variables if "/experts/" in v.path]
