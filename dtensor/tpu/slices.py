@@ -46,12 +46,20 @@ _THREE_D = {"v4", "v5p"}
 # Accelerator-type numbers count TensorCores on v4/v5p (2 a chip), chips on v5e/v6e.
 _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 # Chip grids of the 2-D generations and of the 3-D ones below a full torus (by chip count).
-_GRIDS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16)}
-_GRIDS_2D[256] = (16, 16)
+_GRIDS_2D = {
+    1: (1, 1),
+    4: (2, 2),
+    8: (2, 4),
+    16: (4, 4),
+    32: (4, 8),
+    64: (8, 8),
+    128: (8, 16),
+    256: (16, 16),
+}
 _SMALL_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}
 _MAX_CHIPS = {"v4": 4096, "v5p": 8960, "v5e": 256, "v6e": 256}
 
-_EXAMPLES = "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'v5p:4x4x4', 'v5e:4x4'"
+EXAMPLES = "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'v5p:4x4x4', 'v5e:4x4'"
 
 
 class SliceError(ValueError):
@@ -193,7 +201,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
     """
     if not isinstance(name, str) or not name.strip():
         raise SliceError(
-            f"tpu_topology(name={name!r}): the name must be a string such as {_EXAMPLES}."
+            f"tpu_topology(name={name!r}): the name must be a string such as {EXAMPLES}."
         )
     text = name.strip().lower()
     twisted = False
@@ -205,7 +213,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
         if generation is None:
             raise SliceError(
                 f"tpu_topology({name!r}): unknown TPU generation {gen_word!r}; Cloud TPU's are "
-                f"v4, v5p, v5e (v5litepod) and v6e. Examples: {_EXAMPLES}."
+                f"v4, v5p, v5e (v5litepod) and v6e. Examples: {EXAMPLES}."
             )
         rank = 3 if generation in _THREE_D else 2
         if len(grid) == 3 and rank == 2 and grid[2] == 1:
@@ -221,7 +229,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
         if generation is None:
             raise SliceError(
                 f"tpu_topology({name!r}): unknown accelerator type; Cloud TPU's are "
-                f"v4-N, v5p-N, v5litepod-N (or v5e-N) and v6e-N. Examples: {_EXAMPLES}."
+                f"v4-N, v5p-N, v5litepod-N (or v5e-N) and v6e-N. Examples: {EXAMPLES}."
             )
         cores = int(count)
         per_chip = _CORES_PER_CHIP[generation]
@@ -235,7 +243,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
     else:
         raise SliceError(
             f"tpu_topology({name!r}) is not a TPU slice name: write Cloud TPU's accelerator "
-            f"type or a generation and chip grid, e.g. {_EXAMPLES}."
+            f"type or a generation and chip grid, e.g. {EXAMPLES}."
         )
     if math.prod(grid) > _MAX_CHIPS[generation]:
         raise SliceError(

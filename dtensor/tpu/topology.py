@@ -24,11 +24,10 @@ from typing import Any
 
 import jax.errors
 
+from dtensor.tpu.slices import EXAMPLES as _EXAMPLES
 from dtensor.tpu.slices import SliceError, TpuSlice, describe_slice
 
 __all__ = ["TopologyError", "tpu_slice", "tpu_topology"]
-
-_EXAMPLES = "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'v5e:4x4', 'v5p:4x4x4'"
 
 
 class TopologyError(ValueError):
