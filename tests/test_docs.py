@@ -22,6 +22,7 @@ import dtensor
 import dtensor.checkpoint
 import strategies
 import strategies.failure_handling
+from tests.once import once
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -47,7 +48,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("docs")
+    """The site, built once a run (the workers share it)."""
+    return once(tmp_path_factory, "docs-site", _build_site)
+
+
+def _build_site(out: Path) -> Path:
     html = out / "html"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)

@@ -18,6 +18,7 @@ from dtensor.tpu.estimate import estimate
 from dtensor.tpu.plans import ModelFacts, Plan, enumerate_plans, plan_from_argv
 from dtensor.tpu.scripts import load_script
 from dtensor.tpu.search import FitError, Rung
+from tests.once import once, shared_dir
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
 TINY = ["--model-size", "tiny", "--batch-size", "32", "--seq-len", "2048"]
@@ -121,13 +122,16 @@ def test_the_model_moves_the_right_way():
 # ------------------------------------------------------------------ searches that compile
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("search_cache")
+    """One compile cache for the run's workers."""
+    (shared_dir(tmp_path_factory) / "search_cache").mkdir(exist_ok=True)
+    return shared_dir(tmp_path_factory) / "search_cache"
 
 
 @pytest.fixture(scope="module")
-def tpu_search(cache):
-    return dtensor.tpu.search_plans(TRAIN, TINY, topology="v5e:2x4", max_compiles=2,
-                                    cache_dir=cache)  # fmt: skip
+def tpu_search(tmp_path_factory, cache):
+    """The run's one search (its compiles take a minute on 2 cores), shared by the workers."""
+    return once(tmp_path_factory, "tpu_search", lambda _: dtensor.tpu.search_plans(
+        TRAIN, TINY, topology="v5e:2x4", max_compiles=2, cache_dir=cache))  # fmt: skip
 
 
 def _ratios_within(entries):

@@ -133,5 +133,9 @@ def cached_compile(
     entry = _compile(script, argv, topology, num_slices, timeout)
     if "timed out" not in str(entry.get("error", "")):
         cache.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(entry, sort_keys=True))
+        # Whole or not at all: a search beside this one (another process, the same cache)
+        # reads the entry as soon as its name exists.
+        part = file.with_name(f"{file.name}.{os.getpid()}.part")
+        part.write_text(json.dumps(entry, sort_keys=True))
+        os.replace(part, file)
     return {**entry, "cached": False}
