@@ -306,3 +306,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+
+
+
+class _XdistGroups:
+    """``--dist loadgroup``'s ``xdist_group`` marks, honoured again.
+
+    pytest-xdist 3.8 sends a group to one worker by the ``@group`` suffix its worker
+    hook adds to each item's node id (``item._nodeid``); pytest 9 keeps node ids in
+    ``item._id`` instead, so the suffix never appears and every ``xdist_group`` mark is
+    ignored: a module's expensive fixture runs on both workers, and the multi-process tests
+    a group keeps apart start processes at once on 2 cores. This adds the suffix where
+    pytest now keeps it (an xdist release that does it itself leaves nothing to add).
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
+        if not hasattr(config, "workerinput") or not getattr(config.option, "loadgroup", False):
+            return
+        try:
+            from _pytest.nodeid import NodeId
+        except ImportError:  # pytest < 9: xdist's own hook did it
+            return
+        for item in items:
+            marks = item.iter_markers("xdist_group")
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in marks})  # fmt: skip
+            if names and "@" not in item.nodeid.rpartition("]")[2]:
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_XdistGroups(), "dtensor-xdist-groups")

@@ -144,6 +144,7 @@ def _ratios_within(entries):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_search_on_a_tpu_slice_compiles_the_promising_few_and_caches_them(tpu_search, cache):
     found = tpu_search
     compiled = [t for t in found.tried if t["compiled"]]
@@ -164,6 +165,7 @@ def test_search_on_a_tpu_slice_compiles_the_promising_few_and_caches_them(tpu_se
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_the_winner_s_command_reproduces_the_printed_figures(tpu_search, cache, tmp_path, capsys):
     best = tpu_search.best
     # The CLI prints the table, the preset line and the command, from the cache.
@@ -190,6 +192,7 @@ def test_the_winner_s_command_reproduces_the_printed_figures(tpu_search, cache, 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_the_model_against_the_gpu_compiler(cache):
     found = dtensor.tpu.search_plans(TRAIN, TINY, topology="h100:1x8", max_compiles=2,
                                      cache_dir=cache)  # fmt: skip
@@ -198,6 +201,7 @@ def test_the_model_against_the_gpu_compiler(cache):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_fit_is_the_memory_only_search(tpu_search, cache):
     # The ladder's rungs on the preset the command line gives, ranked by the same model.
     given = tpu_search.best["argv"]
@@ -214,6 +218,7 @@ def test_fit_is_the_memory_only_search(tpu_search, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(tpu_search, cache, capsys):
     given = tpu_search.best["argv"]
     peak = tpu_search.best["peak_bytes_per_chip"]
