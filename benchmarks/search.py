@@ -70,7 +70,7 @@ def run_row(row: tuple[str, str, int, int, int, str], *, max_compiles: int,
     result["script"] = "examples/train.py"
     command = found.command()
     result["command"] = command.replace(SCRIPT, "examples/train.py") if command else None
-    result.update(size=size, maxtext=None, limit=limit,
+    result.update(size=size, maxtext=None, limit=limit, max_compiles=max_compiles,
                   limit_bytes_per_chip=found.limit_bytes_per_chip)  # fmt: skip
     if mt is not None:
         result["maxtext"] = {
@@ -132,7 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_row(ROWS[int(i)], max_compiles=args.max_compiles, cache_dir=args.cache_dir,
                     limit=limit) for i in args.rows.split(",")
             for limit in args.limit.split(",")]  # fmt: skip
-    path = common.write_json("search", {"rows": rows, "max_compiles": args.max_compiles}, out)
+    # Rows not searched this time are kept from the results file (a row is its model,
+    # topology and limit); a row searched again replaces its old entry, in ROWS order.
+    kept: list[dict[str, Any]] = []
+    if (out / "search.json").exists():
+        kept = json.loads((out / "search.json").read_text()).get("rows", [])
+    key = lambda r: (r["size"], r["topology"], r.get("limit"))  # noqa: E731
+    fresh = {key(r) for r in rows}
+    merged = [r for r in kept if key(r) not in fresh] + rows
+    order = {(size, topo): i for i, (size, topo, *_) in enumerate(ROWS)}
+    merged.sort(
+        key=lambda r: (
+            order.get((r["size"], r["topology"]), len(ROWS)),
+            r.get("limit") != "maxtext",
+        )
+    )
+    payload = {"rows": merged}  # each row says its max_compiles
+    path = common.write_json("search", payload, out)
     print(markdown(json.loads(path.read_text())))
     print(f"wrote {path}")
     return 0

@@ -1,10 +1,10 @@
 """What a run's xdist workers share: a directory, and results made once for all of them.
 
 A module-scoped fixture runs once per worker that runs one of the module's tests, and
-pytest-xdist spreads a module's tests over both workers (its ``xdist_group`` marks have no
-effect under pytest 9.2 + xdist 3.8). For a fixture that takes tens of seconds (the Sphinx
-site, a plan search's compiles), :func:`once` makes it on the first worker that asks and
-hands the others the kept result.
+pytest-xdist spreads a module's tests over both workers unless an ``xdist_group`` mark keeps
+them together. For a fixture that takes tens of seconds (the Sphinx site, a plan search's
+compiles), :func:`once` makes it on the first worker that asks and hands the others the
+kept result, whichever way the tests were spread.
 """
 
 from __future__ import annotations

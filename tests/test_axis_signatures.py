@@ -11,9 +11,8 @@ the same way: ``tensor`` here, ``context`` gather and ring in
 tests/test_context.py, ``expert`` in tests/test_experts.py; all six axes at
 once in tests/test_compose.py.
 
-Each case is compiled by the one test that reads it (xdist's ``xdist_group``
-cannot keep tests on one worker under pytest 9.2, so a shared fixture could
-compile a case on both workers).
+Each case is compiled by the one test that reads it (a shared fixture would
+compile a case on each worker that runs one of its readers).
 """
 
 from __future__ import annotations
