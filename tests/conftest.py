@@ -29,7 +29,9 @@ def _known(flags: list[str]) -> bool:
 
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     probe = "import jax; jax.jit(lambda x: x + 1)(1)"
-    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+    return (
+        subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+    )
 
 
 if not os.environ.get("DTENSOR_TEST_XLA_DEFAULTS"):
@@ -306,9 +308,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"tests/conftest.py EXTENDED or LATEST names tests that were not collected: {stale}; "
             "update the names (a renamed test must stay in one of make test / make test-extended)."
         )
-
-
-
 
 
 class _XdistGroups:

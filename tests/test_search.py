@@ -124,8 +124,9 @@ def test_the_model_moves_the_right_way():
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One compile cache for the run's workers."""
-    (shared_dir(tmp_path_factory) / "search_cache").mkdir(exist_ok=True)
-    return shared_dir(tmp_path_factory) / "search_cache"
+    path = shared_dir(tmp_path_factory) / "search_cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module")
