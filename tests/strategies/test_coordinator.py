@@ -64,15 +64,22 @@ def _endless(x, y, start, stride):
 def test_async_training_matches_sync_and_runs_every_closure_once():
     strategy = _strategy()
     x, y = _data()
+    # Learning rate 0.05: gradient descent with gradients tau steps stale converges only for
+    # lr * curvature < 2 sin(pi / (2 (2 tau + 1))), 0.28 at tau = 5; this loss's curvature is
+    # 2, so lr 0.1 (0.2) sits near the edge and its end loss swings with the schedule (1.35x
+    # sync's on CI; a numpy replay of 300 random schedules: up to 1.42x, 21x at a constant 5).
+    # At 0.05 (0.1) the same replay over 2000 schedules (constant 5, 0/5, 3-5, 0-5 delays,
+    # any batch order) ends within 1.16x of sync, so the 25% below is a margin, not luck.
+    lr = 0.05
 
     model = Regression()
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
     for i, batch in zip(range(STEPS), _endless(x, y, 0, 1), strict=False):
         strategy.run(train_step, args=(model, optimizer, batch, np.int32(i)))
     sync_loss = float(_loss(model, x, y))
 
     model = Regression()
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
     # Staleness bounded at 5 (a commit that read older parameters runs again), so the
     # tolerance below holds on a loaded machine too: unbounded, 51 was seen at load 12.
     with ClusterCoordinator(strategy, max_staleness=5) as coordinator:
