@@ -5,7 +5,7 @@
 
 Each row searches ``HybridStrategy`` plans for ``examples/train.py``'s decoder from the model
 flags alone (no axis size, precision or remat given; ``--attention xla`` as the MaxText
-side-by-side), within MaxText's peak per chip (``--limit maxtext``: the issue's target is a plan at or
+side-by-side, splash at 32768 tokens), within MaxText's peak per chip (``--limit maxtext``: the issue's target is a plan at or
 under MaxText's peak and floor) and within the chip's usable HBM (``--limit hbm``: the
 fastest plan that fits), compiling at most ``--max-compiles`` plans with libtpu (no TPU), each in its
 own process and cached on disk as ``--search`` caches (a rerun reads them back). It records
@@ -25,12 +25,29 @@ from typing import Any
 
 from . import common
 
-#: ``(size, topology, slices, global batch, sequence, MaxText's row in maxtext_side.json)``.
-ROWS: list[tuple[str, str, int, int, int, str]] = [
-    ("2b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
-    ("7b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
-    ("gemma3-12b", "v5e:4x4", 1, 16, 1024, "v5e:4x4"),
-    ("llama2-70b", "v5p:4x4x4", 1, 64, 1024, "v5p:4x4x4"),
+#: ``(size, topology, slices, global batch, sequence, MaxText's row in maxtext_side.json,
+#: the script's fixed flags)``: one sequence a chip, as MaxText's ``per_device_batch_size=1``.
+Row = tuple[str, str, int, int, int, str, tuple[str, ...]]
+XLA = common.XLA_ATTENTION
+ROWS: list[Row] = [
+    ("2b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
+    ("7b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
+    ("gemma3-12b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
+    ("llama2-70b", "v5p:4x4x4", 1, 64, 1024, "v5p:4x4x4", XLA),
+    ("llama2-70b", "v5p:4x4x2", 2, 64, 1024, "2 x v5p:4x4x2", XLA),
+    # 32768 tokens: XLA's attention would hold [heads, 32768, 32768] scores; MaxText's
+    # compile runs its splash kernel, so ours does too
+    (
+        "llama3.1-8b",
+        "v5p:4x4x2",
+        1,
+        32,
+        32768,
+        "v5p:4x4x2 context 32768",
+        ("--attention", "splash"),
+    ),
+    ("mixtral-8x7b", "v5p:4x4x2", 1, 32, 1024, "v5p:4x4x2", XLA),
+    ("llama3.1-405b", "v5p:8x8x8", 1, 512, 1024, "v5p:8x8x8", XLA),
 ]
 SCRIPT = str(common.REPO / "examples" / "train.py")
 
@@ -43,15 +60,24 @@ def _maxtext(size: str, topology: str) -> dict[str, Any] | None:
     return next((r for r in rows if r["size"] == size and r["topology"] == topology), None)
 
 
-def run_row(row: tuple[str, str, int, int, int, str], *, max_compiles: int,
+def label(topology: str, slices: int, seq: int) -> str:
+    """A row's topology as the table writes it: ``2 x v5p:4x4x2``, ``v5p:4x4x2, 32768 tokens``."""
+    tokens = f", {seq} tokens" if seq != 1024 else ""
+    return (f"{slices} x " if slices > 1 else "") + topology + tokens
+
+
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return r["size"], r["topology"], r.get("num_slices", 1), r.get("seq", 1024), r.get("limit")
+
+
+def run_row(row: Row, *, max_compiles: int,
             cache_dir: str | None, limit: str = "maxtext") -> dict[str, Any]:  # fmt: skip
     """Search one row; the result as the results file keeps it."""
     import dtensor.tpu
     from dtensor.tpu.views import CompileProgress, render
 
-    size, topology, slices, batch, seq, side = row
-    argv = ["--model-size", size, "--batch-size", str(batch), "--seq-len", str(seq)]
-    argv += list(common.XLA_ATTENTION)
+    size, topology, slices, batch, seq, side, extra = row
+    argv = ["--model-size", size, "--batch-size", str(batch), "--seq-len", str(seq), *extra]
     mt = _maxtext(size, side)
     within = mt["peak_bytes_per_chip"] if limit == "maxtext" and mt is not None else None
     print(
@@ -70,7 +96,7 @@ def run_row(row: tuple[str, str, int, int, int, str], *, max_compiles: int,
     result["script"] = "examples/train.py"
     command = found.command()
     result["command"] = command.replace(SCRIPT, "examples/train.py") if command else None
-    result.update(size=size, maxtext=None, limit=limit, max_compiles=max_compiles,
+    result.update(size=size, seq=seq, maxtext=None, limit=limit, max_compiles=max_compiles,
                   limit_bytes_per_chip=found.limit_bytes_per_chip)  # fmt: skip
     if mt is not None:
         result["maxtext"] = {
@@ -93,7 +119,8 @@ def markdown(payload: dict[str, Any]) -> str:
         limit = r.get("limit_bytes_per_chip")
         within = f"{limit / gib:.2f} GiB" if limit else "-"
         within += " (MaxText's peak)" if r.get("limit") == "maxtext" else " (usable HBM)"
-        head = f"| {r['size']} | {r['topology']} | {within} |"
+        where = label(r["topology"], r.get("num_slices", 1), r.get("seq", 1024))
+        head = f"| {r['size']} | {where} | {within} |"
         if best is None:
             lines.append(f"{head} nothing fits | | | | | | | |")
             continue
@@ -133,17 +160,16 @@ def main(argv: list[str] | None = None) -> int:
                     limit=limit) for i in args.rows.split(",")
             for limit in args.limit.split(",")]  # fmt: skip
     # Rows not searched this time are kept from the results file (a row is its model,
-    # topology and limit); a row searched again replaces its old entry, in ROWS order.
+    # topology, slices, sequence and limit); a row searched again replaces its old entry.
     kept: list[dict[str, Any]] = []
     if (out / "search.json").exists():
         kept = json.loads((out / "search.json").read_text()).get("rows", [])
-    key = lambda r: (r["size"], r["topology"], r.get("limit"))  # noqa: E731
-    fresh = {key(r) for r in rows}
-    merged = [r for r in kept if key(r) not in fresh] + rows
-    order = {(size, topo): i for i, (size, topo, *_) in enumerate(ROWS)}
+    fresh = {_key(r) for r in rows}
+    merged = [r for r in kept if _key(r) not in fresh] + rows
+    order = {(size, topo, n, seq): i for i, (size, topo, n, _, seq, *_) in enumerate(ROWS)}
     merged.sort(
         key=lambda r: (
-            order.get((r["size"], r["topology"]), len(ROWS)),
+            order.get(_key(r)[:4], len(ROWS)),
             r.get("limit") != "maxtext",
         )
     )
