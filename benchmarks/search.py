@@ -122,7 +122,16 @@ def markdown(payload: dict[str, Any]) -> str:
         where = label(r["topology"], r.get("num_slices", 1), r.get("seq", 1024))
         head = f"| {r['size']} | {where} | {within} |"
         if best is None:
-            lines.append(f"{head} nothing fits | | | | | | | |")
+            seen = [t for t in r["tried"] if t.get("compiled") and t.get("peak_bytes_per_chip")]
+            low = min(seen, key=lambda t: t["peak_bytes_per_chip"], default=None)
+            mt_peak = (mt.get("peak_bytes_per_chip") or 0) / gib
+            lines.append(
+                f"{head} nothing fits"
+                + (f" (smallest: `{low['name']}`) | {low['peak_bytes_per_chip'] / gib:.2f} GiB |"
+                   if low else " | |")
+                + (f" {mt_peak:.2f} GiB |" if mt_peak else " - |")
+                + f" | | | {len(seen)} ({r['compiles']}) | {r['seconds'] / 60:.1f} min |"
+            )  # fmt: skip
             continue
         compiled = sum(1 for t in r["tried"] if t["compiled"])
         mt_peak = mt.get("peak_bytes_per_chip")

@@ -4,6 +4,7 @@ no-fit message and the winner's command reproduced by ``dtensor.aot``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -234,6 +235,34 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(tpu_search, cac
            str(peak / 2.5 / 2**30), "--max-compiles", "1"]  # fmt: skip
     assert aot.main([*cli, "--", TRAIN, *given]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_a_search_that_fits_nothing_points_past_its_own_axes():
+    # The message a search gives (not --fit's "--search also tries ..."), and the guide's
+    # table row for it: the smallest compiled peak, with its plan.
+    from benchmarks.search import markdown
+    from dtensor.tpu.search import SearchResult
+    from dtensor.tpu.views import no_fit_message
+
+    gib = 2**30
+    tried = [
+        {"name": "fsdp=8 bf16", "argv": ["--batch-size", "8"], "compiled": True, "fits": False,
+         "peak_bytes_per_chip": 3 * gib},
+        {"name": "fsdp=4 tensor=2 bf16", "argv": ["--batch-size", "8"], "compiled": True,
+         "fits": False, "peak_bytes_per_chip": 5 * gib},
+    ]  # fmt: skip
+    result = SearchResult("s.py", [], "v5e:2x4", 1, tried, None, mode="search")
+    message = no_fit_message(result, 2 * gib)
+    assert "1.50x the 2.0 GiB" in message and "(compiled: fsdp=8 bf16)" in message
+    assert "--search also tries" not in message and "--offload-optimizer" in message
+    assert "--search also tries" in no_fit_message(dataclasses.replace(result, mode="fit"), 2 * gib)
+    row = {"size": "tiny", "topology": "v5e:2x4", "limit": "hbm", "limit_bytes_per_chip": 2 * gib,
+           "best": None, "tried": tried, "compiles": 2, "seconds": 60.0}  # fmt: skip
+    table = markdown({"rows": [row]})
+    assert (
+        "| tiny | v5e:2x4 | 2.00 GiB (usable HBM) | nothing fits (smallest: `fsdp=8 bf16`) | 3.00 GiB |"
+        in table
+    )
 
 
 def test_a_script_without_the_hook_or_with_fewer_flags_gets_a_smaller_search(tmp_path):

@@ -259,9 +259,9 @@ def search_plans(
         candidates = _ladder_candidates(path, list(argv), None, hook, target, num_slices)
     found = _search(path, candidates, target, topology=topology, num_slices=num_slices,
                     max_compiles=max_compiles, cache=_cache_dir(cache_dir), timeout=timeout,
-                    progress=progress, log=log, show=show)  # fmt: skip
+                    progress=progress, log=log, show=show, mode="search")  # fmt: skip
     return dataclasses.replace(
-        found, script=str(script), argv=list(argv), mode="search",
+        found, script=str(script), argv=list(argv),
         seconds=time.perf_counter() - t0,
     )  # fmt: skip
 
@@ -395,6 +395,7 @@ def _search(
     progress: Any,
     log: Callable[[str], None] | None,
     show: int,
+    mode: str = "fit",
 ) -> SearchResult:
     """The one loop of ``--search`` and ``--fit``: pick, compile, correct the model, repeat."""
     remaining = list(candidates)
@@ -423,7 +424,7 @@ def _search(
     tried += [_predicted(c, calibration, target.limit) for c in ranked]
     best = choose(tried)
     result = SearchResult(
-        "", [], topology, num_slices, tried, best,
+        "", [], topology, num_slices, tried, best, mode=mode,
         compiles=sum(1 for t in tried if t.get("compiled") and not t.get("cached")),
         candidates=len(candidates), limit_bytes_per_chip=target.limit,
     )  # fmt: skip

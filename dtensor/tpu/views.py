@@ -57,6 +57,11 @@ def no_fit_message(result: Any, limit: float) -> str:
     )
     if result.mode == "fit":
         text += "; --search also tries the tensor, stage, context and expert axes"
+    else:
+        text += (
+            " (--offload-optimizer keeps the optimizer state in host memory: a rung the search "
+            "does not try, as the floor does not count its host transfers)"
+        )
     return text + "."
 
 
