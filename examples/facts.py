@@ -36,6 +36,7 @@ DECODER_FLAGS = (
     "--context-mode",
     "--expert",
     "--across-slices",
+    "--loss-chunks",
 )
 
 

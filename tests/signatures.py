@@ -94,8 +94,8 @@ def assert_tensor(
     per_layer: int = 2,
 ) -> None:
     """Activation all-reduces over ``tensor``: ``rows x seq x d_model`` a device, ``per_layer``
-    a layer (2: attention out and MLP down; 1 where the MLP is a mixture of experts, whose
-    stacks the decoder's tensor rules leave whole)."""
+    a layer (2: attention out and MLP down, or the mixture of experts' sum over its
+    tensor-split hidden units)."""
     found = [
         c for c in over(collectives, "all-reduce", "tensor") if shaped(c, (rows, seq, d_model))
     ]

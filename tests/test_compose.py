@@ -197,8 +197,9 @@ def test_all_six_axes_at_once_train_as_on_one_device(layers, tmp_path):
     # Per device, inside the stages: a microbatch of 16 / 2 rows over data x fsdp x expert
     # (1 row), its sequence of 16 split over context (8), heads split over tensor.
     micro = dict(rows=1, seq=8, d_model=64)
-    # tensor: attention out's all-reduce in each layer (the MoE stacks are not tensor-split)
-    signatures.assert_tensor(found, **micro, layers=4, per_layer=1)
+    # tensor: attention out's all-reduce and the experts' (each expert's hidden units split
+    # over tensor, dtensor.expert_mlp summing the parts) in each layer
+    signatures.assert_tensor(found, **micro, layers=4, per_layer=2)
     # stage: a microbatch's activations, its sequence split over context, passed on each tick
     signatures.assert_stage(found, **micro, ticks=2 + 2 - 1, bubble=bubble, stages=2)
     # context (gather, the default): the whole sequence's K/V over context, in the stages

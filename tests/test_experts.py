@@ -78,8 +78,17 @@ def test_expert_mlp_without_mesh_is_each_token_s_weighted_experts():
         [("data", 2), ("fsdp", 2), ("expert", 2)],
         [("expert", 8)],
         [("data", 8)],
+        [("data", 2), ("expert", 2), ("tensor", 2)],
+        [("fsdp", 4), ("tensor", 2)],
     ],
-    ids=["data2-expert4", "data2-fsdp2-expert2", "expert8", "data8"],
+    ids=[
+        "data2-expert4",
+        "data2-fsdp2-expert2",
+        "expert8",
+        "data8",
+        "data2-expert2-tensor2",
+        "fsdp4-tensor2",
+    ],
 )
 def test_expert_mlp_under_a_mesh_matches_one_device_forward_and_backward(dims):
     x, ids, weights, gate, up, down = _moe_inputs()
@@ -96,6 +105,9 @@ def test_expert_mlp_under_a_mesh_matches_one_device_forward_and_backward(dims):
     _close(grads, want_grads, 1e-6)
     # Over an expert axis the tokens travel (all-to-all); without one each device runs all.
     assert ("all_to_all" in text) == (dict(dims).get("expert", 1) > 1)
+    if dict(dims).get("tensor", 1) > 1:  # each device half of every expert's hidden units
+        dots = "\n".join(line for line in text.splitlines() if "dot_general" in line)
+        assert f"x{D}x{F // 2}xf32>" in dots and f"x{D}x{F}xf32>" not in dots
 
 
 def test_expert_mlp_under_jax_s_own_set_mesh_matches_one_device():
@@ -268,16 +280,23 @@ def test_moe_decoder_aux_loss_and_counts():
 
 
 @pytest.mark.parametrize(
-    ("data", "fsdp", "expert", "scan"),
-    [(2, 1, 4, False), (2, 2, 2, False), (2, 2, 2, True), (1, 2, 4, True)],
+    ("data", "fsdp", "expert", "scan", "tensor"),
+    [
+        (2, 1, 4, False, 1),
+        (2, 2, 2, False, 1),
+        (2, 2, 2, True, 1),
+        (1, 2, 4, True, 1),
+        (1, 2, 2, True, 2),
+    ],
     ids=[
         "expert4",
         "data2-fsdp2-expert2",
         "data2-fsdp2-expert2-scan-remat",
         "fsdp2-expert4-scan-remat",
+        "fsdp2-expert2-tensor2-scan-remat",
     ],
 )
-def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, expert, scan):
+def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, expert, scan, tensor):
     """Three Adam steps of the MoE decoder under HybridStrategy(expert=E) = one device: the
     losses to float32 rounding, the first step's gradients to 2e-6, the parameters after
     three steps to 2e-5 (measured: 3e-6). Adam's ``eps`` is 1e-6 here: with the default 1e-8
@@ -293,7 +312,7 @@ def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, exp
     want_params = nnx.state(model, nnx.Param)
 
     remat = (Block,) if scan else None
-    s = strategies.HybridStrategy(data, fsdp, 1, expert=expert, min_shard_bytes=0, remat=remat)
+    s = strategies.HybridStrategy(data, fsdp, tensor, expert=expert, min_shard_bytes=0, remat=remat)
     assert s.mesh.shape["expert"] == expert and not s.gather_at_read
     with s.scope():
         model, opt = _build(cfg, eps=1e-6)
@@ -310,6 +329,8 @@ def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, exp
         else experts["blocks"][0]["moe"]["experts"]["up"]
     )
     assert "expert" in str(up.sharding.spec)
+    # with tensor: each expert's hidden units split over it too (Megatron within the experts)
+    assert ("tensor" in str(up.sharding.spec)) == (tensor > 1)
 
 
 def test_moe_checkpoint_round_trip_between_expert_and_fully_sharded(tmp_path):

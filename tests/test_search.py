@@ -68,6 +68,7 @@ def forwarding_script(tmp_path: Path, name: str, body: str = "") -> str:
         (_facts(experts=4, experts_per_token=2), 16, 1),
         (_facts(layers=6, heads=12, kv_heads=4, batch=24), 12, 1),
         (_facts(), 16, 2),
+        (_facts(flags=(*ALL_FLAGS, "--loss-chunks")), 8, 1),
     ],
 )
 def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips, slices):
@@ -94,6 +95,13 @@ def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips
         assert any(getattr(p, axis) > 1 for p in plans), axis
     assert any(p.expert > 1 for p in plans) == bool(facts.experts)
     assert {p.remat for p in plans} == {"none", "full", "dots_saveable"}
+    assert {p.loss_chunks for p in plans} == ({1, 8} if facts.accepts("loss_chunks") else {1})
+    assert any(p.context_mode == "ring" for p in plans)
+    # the splash kernel takes the gather only: no ring plan to compile and see refused
+    splash = enumerate_plans(dataclasses.replace(facts, attention="splash"), chips=chips,
+                             num_slices=slices)  # fmt: skip
+    assert splash and all(p.context_mode == "gather" for p in splash)
+    assert set(splash) == {p for p in plans if p.context_mode == "gather"}
 
 
 def test_a_script_with_fewer_knobs_gets_fewer_plans():

@@ -19,7 +19,11 @@ back weighted. Inside it:
 - the batch stays split over the token axes (``data``, ``fsdp``, ``expert``,
   ``context`` where the mesh has them: HybridStrategy's batch axes), so the
   routing, sorting and exchange are per device; everything else in the
-  model stays data parallel over ``expert``.
+  model stays data parallel over ``expert``;
+- under a ``tensor`` axis each expert's hidden units are split over it
+  (``w_gate``/``w_up`` by column, ``w_down`` by row, as Megatron splits an
+  MLP): every device of it routes the same tokens, computes its part of the
+  hidden units, and the parts are summed (one all-reduce over ``tensor``).
 
 Without a mesh (or one device) it is plain single-device JAX, the same
 values (float32: equal to rounding).
@@ -57,6 +61,7 @@ def expert_mlp(
     axis: str = "expert",
     token_axes: Sequence[str] | None = None,
     exchange: str | None = None,
+    tensor_axis: str | None = "tensor",
 ) -> jax.Array:
     """Each token's routed experts' gated MLP outputs, weighted and summed.
 
@@ -78,6 +83,11 @@ def expert_mlp(
         exchange: ``"ragged"`` (``jax.lax.ragged_all_to_all``) or ``"dense"``
             (``jax.lax.all_to_all`` of buffers padded to the dropless worst
             case); default: dense on CPU, ragged elsewhere.
+        tensor_axis: the mesh axis each expert's hidden dimension is split over
+            (Megatron within the experts: ``w_gate``/``w_up`` by column, ``w_down``
+            by row, the outputs summed over it, one all-reduce a call); absent,
+            of size 1, ``None`` or not dividing the hidden size: every device of
+            it computes whole experts.
 
     Returns:
         ``[..., d_model]`` in ``x``'s dtype.
@@ -110,7 +120,9 @@ def expert_mlp(
         token_axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
     token_axes = tuple(token_axes)
     n = mesh.shape[axis] if mesh is not None and axis in names else 1
-    if mesh is None or (n == 1 and not token_axes):
+    t = mesh.shape[tensor_axis] if mesh is not None and tensor_axis in names else 1
+    t = t if w_up.shape[-1] % t == 0 else 1
+    if mesh is None or (n == 1 and t == 1 and not token_axes):
         return _local(tokens, ids, weights, w_gate, w_up, w_down, activation).reshape(*lead, d)
     experts = w_up.shape[0]
     if experts % n:
@@ -132,21 +144,27 @@ def expert_mlp(
         raise ValueError(f"dtensor.expert_mlp(exchange={exchange!r}): valid are 'ragged', 'dense'.")
     tok = P(token_axes or None)
     ex = axis if n > 1 else None
-    gate_spec = None if w_gate is None else P(ex)
+    ta = tensor_axis if t > 1 else None
+    column, row = P(ex, None, ta), P(ex, ta, None)
+    gate_spec = None if w_gate is None else column
 
     def per_device(tokens, ids, weights, w_gate, w_up, w_down):
         if n == 1:
-            return _local(tokens, ids, weights, w_gate, w_up, w_down, activation)
-        return _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exchange)
+            out = _local(tokens, ids, weights, w_gate, w_up, w_down, activation)
+        else:
+            out = _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exchange)
+        return out if t == 1 else out[None]  # over tensor: this device's part of the sum
 
     run = jax.shard_map(
         jax.named_scope(DISPATCH_SCOPE)(per_device),
         mesh=mesh,
-        in_specs=(tok, tok, tok, gate_spec, P(ex), P(ex)),
-        out_specs=tok,
+        in_specs=(tok, tok, tok, gate_spec, column, row),
+        out_specs=tok if t == 1 else P(ta, *tok),
         check_vma=False,
     )
-    return run(tokens, ids, weights, w_gate, w_up, w_down).reshape(*lead, d)
+    out = run(tokens, ids, weights, w_gate, w_up, w_down)
+    # The hidden dimension's parts summed (an all-reduce over tensor, as a row-parallel layer's).
+    return (out if t == 1 else out.sum(0)).reshape(*lead, d)
 
 
 # ------------------------------------------------------------------------------- per device

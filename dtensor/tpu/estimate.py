@@ -16,8 +16,8 @@ Memory (bytes):
   rung (``full``: the block input; ``dots_saveable``: every matmul output; ``none``:
   everything, with XLA attention's ``[heads, seq, seq]`` scores) over the device's tokens
   (the batch over ``data x fsdp x expert``, the sequence over ``context``), plus one layer's
-  working set (recomputed) or the logits (float32, and in the compute dtype), whichever is
-  larger.
+  working set (recomputed) or the logits (float32, and in the compute dtype; one slice of
+  them with ``--loss-chunks``), whichever is larger.
 
 Floor (seconds), as :mod:`dtensor.analysis.floor` reads a compiled program:
 
@@ -192,7 +192,7 @@ def estimate(
     activations = tokens * (L / s) * saved
     kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
-    logits = tokens * facts.vocab / t * (4 + cb)
+    logits = tokens * facts.vocab / t * (4 + cb) / plan.loss_chunks
     working = max(working, logits)
 
     # --- floor

@@ -59,6 +59,7 @@ KNOB_FLAGS = {
     "gather_layers": "--gather-layers",
     "offload": "--offload-optimizer",
     "reshard": "--no-reshard-after-forward",
+    "loss_chunks": "--loss-chunks",
 }
 _BOOLEAN = ("--remat", "--scan", "--gather-layers", "--offload-optimizer")
 _BOOLEAN += ("--no-reshard-after-forward",)
@@ -133,6 +134,7 @@ class Plan:
     offload: bool = False
     reshard: bool = True
     preset: str = "hybrid"
+    loss_chunks: int = 1
 
     @property
     def chips(self) -> int:
@@ -161,6 +163,8 @@ class Plan:
         parts += [w for w, on in (("scan", self.scan), ("gather layers", self.gather_layers),
                                   ("offload", self.offload), ("keep gathered", not self.reshard))
                   if on]  # fmt: skip
+        if self.loss_chunks > 1:
+            parts.append(f"loss/{self.loss_chunks}")
         return " ".join(parts)
 
     def flags(self) -> list[str]:
@@ -189,6 +193,8 @@ class Plan:
                          (not self.reshard, "--no-reshard-after-forward")):  # fmt: skip
             if on:
                 out.append(flag)
+        if self.loss_chunks > 1:
+            out += ["--loss-chunks", str(self.loss_chunks)]
         return out
 
     def strategy_line(self) -> str:
@@ -307,9 +313,10 @@ def _pipelines(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     """The plan with each microbatch count (the stages, twice and four times them) and
     schedule whose microbatch divides over ``data x fsdp x expert``; the context modes."""
     replicas = plan.data * plan.fsdp * plan.expert
-    modes = (
-        ("gather", "ring") if plan.context > 1 and facts.accepts("context_mode") else ("gather",)
-    )
+    # the ring runs XLA's attention or a masked kernel: the splash kernel of a plain causal
+    # decoder takes the gather only (dtensor.context_attention refuses the pair)
+    ring = plan.context > 1 and facts.accepts("context_mode") and facts.attention != "splash"
+    modes = ("gather", "ring") if ring else ("gather",)
     if plan.stage == 1:
         if facts.batch % replicas == 0:
             for mode in modes:
@@ -329,7 +336,10 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     or more (one compiled layer: a compile minutes shorter). Keeping gathered weights
     (``reshard=False``) and gathering layers in the loop body are not searched: they apply to
     weights gathered at their reads (``gather_at_read``, the CPU default) and to
-    ``FullyShardedStrategy``; on TPU and GPU ``HybridStrategy`` leaves the gathers to XLA."""
+    ``FullyShardedStrategy``; on TPU and GPU ``HybridStrategy`` leaves the gathers to XLA.
+    The loss over the vocabulary in 8 slices (``--loss-chunks 8``, where 8 divides it) is
+    searched too: one slice's float32 logits at a time (at 32768 tokens a chip, Llama 3's
+    128256-word logits are 23 GiB whole)."""
     precisions = ("none", "bf16") if facts.accepts("precision") else ("none",)
     remats = ["none"]
     if facts.accepts("remat"):
@@ -337,15 +347,16 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
         if facts.accepts("remat_policy"):
             remats.append("dots_saveable")
     scan = facts.accepts("scan") and facts.layers >= 8
-    for precision, remat in itertools.product(precisions, remats):
-        yield dataclasses.replace(plan, precision=precision, remat=remat, scan=scan)
+    chunks = (1, 8) if facts.accepts("loss_chunks") and facts.vocab % 8 == 0 else (1,)
+    for precision, remat, n in itertools.product(precisions, remats, chunks):
+        yield dataclasses.replace(plan, precision=precision, remat=remat, scan=scan, loss_chunks=n)
 
 
 @functools.cache
 def _argv_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--strategy", default="")
-    for knob in ("data", "tensor", "stage", "microbatches", "context", "expert"):
+    for knob in ("data", "tensor", "stage", "microbatches", "context", "expert", "loss_chunks"):
         p.add_argument(KNOB_FLAGS[knob], type=int, default=None)
     for knob in ("schedule", "context_mode", "across_slices", "precision", "remat_policy"):
         p.add_argument(KNOB_FLAGS[knob], default=None)
@@ -374,6 +385,7 @@ def plan_from_argv(argv: Sequence[str], *, chips: int, num_slices: int = 1) -> P
         "offload": args.offload_optimizer,
         "reshard": not args.no_reshard_after_forward,
         "preset": args.strategy or "fully_sharded",
+        "loss_chunks": args.loss_chunks or 1,
     }
     if args.strategy in ("", "fully_sharded"):
         return Plan(fsdp=chips, **rungs)

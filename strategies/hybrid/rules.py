@@ -146,7 +146,10 @@ class VariableRules(PipelinePlanning):
             found = self.rules.match(path)
             if found is not None:
                 return list(self.rules.layout_for(path, leaf).layout.sharding_specs), found[0]
-        dim = expert_dim(path, shape) if self.expert > 1 else None
+        tensor = self.mesh.shape[_T]
+        dim = expert_dim(path, shape) if self.expert > 1 or tensor > 1 else None
+        if dim is not None and self.expert == 1:
+            return self._expert_hidden([dtensor.UNSHARDED] * len(shape), path, shape, None)
         if dim is not None:
             specs = [dtensor.UNSHARDED] * len(shape)
             if shape[dim] % self.expert:
@@ -161,8 +164,8 @@ class VariableRules(PipelinePlanning):
                 )
                 return specs, "expert (not divisible: replicated)"
             specs[dim] = _E
-            return specs, "expert"
-        if self.mesh.shape["tensor"] > 1:
+            return self._expert_hidden(specs, path, shape, "expert")
+        if tensor > 1:
             hit = megatron_specs(path, shape)
             if hit is not None:
                 specs, rule = hit
@@ -172,6 +175,23 @@ class VariableRules(PipelinePlanning):
                     shape
                 ), f"megatron {rule} (not divisible: replicated)"
         return [dtensor.UNSHARDED] * len(shape), None
+
+    def _expert_hidden(
+        self, specs: list[Any], path: str, shape: Sequence[int], rule: str | None
+    ) -> tuple[list[Any], str | None]:
+        """An expert stack's hidden dimension over ``tensor`` (Megatron within each expert, as
+        :func:`dtensor.expert_mlp` computes it): ``gate``/``up`` ``[..., E, d, hidden]`` by
+        column, ``down`` ``[..., E, hidden, d]`` by row; left whole where it does not divide."""
+        n = self.mesh.shape[_T]
+        name = path.split("/")[-1]
+        hidden = (
+            len(shape) - 2 if _ROW.match(name) else len(shape) - 1 if _COLUMN.match(name) else None
+        )
+        if n == 1 or hidden is None or shape[hidden] % n:
+            return specs, rule
+        specs[hidden] = _T
+        side = "row" if hidden == len(shape) - 2 else "column"
+        return specs, (f"{rule} + " if rule else "") + f"megatron expert {side}"
 
     def _indivisible(
         self, path: str, shape: Sequence[int], specs: Sequence[Any], rule: str
