@@ -245,6 +245,29 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(tpu_search, cac
     assert "nothing fits" in capsys.readouterr().out
 
 
+def test_a_plan_whose_compute_alone_cannot_beat_the_best_is_not_compiled():
+    # Llama 3.1 8B at 32768 tokens on v5p:4x4x2: every context/fsdp split has the same
+    # FLOPs, so once one compiled at its compute-bound floor the others cannot beat it.
+    from types import SimpleNamespace
+
+    from dtensor.tpu.ranking import Calibration, next_candidate
+
+    def candidate(name, floor, compute):
+        est = SimpleNamespace(peak_bytes_per_device=1.0, step_time_floor_seconds=floor,
+                              compute_seconds=compute)  # fmt: skip
+        return SimpleNamespace(name=name, estimate=est, plan=None, faster=False)
+
+    best = {"name": "fsdp=32", "fits": True, "compiled": True, "step_time_floor_seconds": 1.0,
+            "ratio": {"peak": 1.0, "floor": 1.0, "compute": 1.0}}  # fmt: skip
+    calibration = Calibration()
+    calibration.add(best)
+    same_flops = candidate("context=8", 0.8, 1.0)  # its ICI lower, its compute the same
+    fewer = candidate("tensor=2", 0.8, 0.7)
+    assert next_candidate([same_flops, fewer], [best], calibration, 10.0) is fewer
+    assert next_candidate([same_flops], [best], calibration, 10.0) is None
+    assert Calibration().least_compute(same_flops.estimate) == 0.0  # nothing compiled yet
+
+
 def test_a_search_that_fits_nothing_points_past_its_own_axes():
     # The message a search gives (not --fit's "--search also tries ..."), and the guide's
     # table row for it: the smallest compiled peak, with its plan.

@@ -4,7 +4,9 @@ With the analytic model (:mod:`dtensor.tpu.estimate`): the plan predicted to fit
 lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
 with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
 compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
-best plan left, even at the most favourable ratio seen, would not beat the best compiled floor.
+best plan left, even at the most favourable ratio seen, would not beat the best compiled floor;
+a plan whose compute alone (its estimate at the lowest compute ratio seen: the FLOPs change
+little from plan to plan) would not beat it is never compiled.
 
 Without the model (a script with no ``search_facts`` hook): the candidates in their order (the
 ladder's, cheapest first), stopping at the first fit but for the rungs marked as possibly
@@ -27,6 +29,7 @@ class Calibration:
 
     def __init__(self) -> None:
         self.seen: list[tuple[Any, float | None, float | None]] = []
+        self.compute: list[float] = []
 
     @property
     def floor(self) -> list[float]:
@@ -38,6 +41,15 @@ class Calibration:
         ratio = entry.get("ratio") or {}
         if ratio.get("peak") or ratio.get("floor"):
             self.seen.append((_family(plan), ratio.get("peak"), ratio.get("floor")))
+        if ratio.get("compute"):
+            self.compute.append(ratio["compute"])
+
+    def least_compute(self, est: Any) -> float:
+        """The least compute time ``est``'s plan may come out with: its estimate at the lowest
+        compiled/estimated compute ratio seen (0 before a compile reports one)."""
+        if not self.compute or not getattr(est, "compute_seconds", None):
+            return 0.0
+        return est.compute_seconds * min(self.compute)
 
     @staticmethod
     def _mean(xs: Sequence[float]) -> float:
@@ -120,10 +132,14 @@ def next_candidate(
     if not scored:  # no model: the given order
         first = remaining[0]
         return None if best is not None and not first.faster else first
+    best_floor = (best or {}).get("step_time_floor_seconds")
     fitting = [x for x in scored if x[1] <= HEADROOM * limit]
+    if best_floor:  # no compute-bound plan that cannot beat the best: its FLOPs alone lose
+        fitting = [x for x in fitting if calibration.least_compute(x[0].estimate) < best_floor]
+        if not fitting:
+            return None
     if fitting:
         pick, _, floor = min(fitting, key=_order)
-        best_floor = (best or {}).get("step_time_floor_seconds")
         if best_floor and floor / calibration.optimism() >= best_floor:
             return None
         return pick

@@ -452,6 +452,8 @@ def _entry(pick: _Candidate, compiled: dict[str, Any], limit: float) -> dict[str
             ratio["peak"] = peak / est.peak_bytes_per_device
         if entry.get("step_time_floor_seconds") and est.step_time_floor_seconds:
             ratio["floor"] = entry["step_time_floor_seconds"] / est.step_time_floor_seconds
+        if entry.get("compute_seconds") and est.compute_seconds:
+            ratio["compute"] = entry["compute_seconds"] / est.compute_seconds
         entry["ratio"] = ratio
     return entry
 
