@@ -96,6 +96,10 @@ def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips
     assert any(p.expert > 1 for p in plans) == bool(facts.experts)
     assert {p.remat for p in plans} == {"none", "full", "dots_saveable"}
     assert {p.loss_chunks for p in plans} == ({1, 8} if facts.accepts("loss_chunks") else {1})
+    # FullyShardedStrategy's own plans too (fsdp over every chip of one slice), ranked first
+    fully = [p for p in plans if p.preset == "fully_sharded"]
+    assert bool(fully) == (slices == 1 and facts.batch % chips == 0)
+    assert all(p.fsdp == chips for p in fully) and plans[: len(fully)] == fully
     assert any(p.context_mode == "ring" for p in plans)
     # the splash kernel takes the gather only: no ring plan to compile and see refused
     splash = enumerate_plans(dataclasses.replace(facts, attention="splash"), chips=chips,
@@ -309,8 +313,9 @@ def test_a_script_without_the_hook_or_with_fewer_flags_gets_a_smaller_search(tmp
     small = dtensor.tpu.search_plans(fewer, TINY, topology="v5e:2x4", max_compiles=0)
     full = dtensor.tpu.search_plans(TRAIN, TINY, topology="v5e:2x4", max_compiles=0)
     assert 1 < small.candidates < full.candidates
-    assert all(set(t["argv"]) <= {*TINY, "--strategy", "hybrid", "--mixed-precision", "bf16",
-                                  "--remat"} for t in small.tried)  # fmt: skip
+    assert all(set(t["argv"]) <= {*TINY, "--strategy", "hybrid", "fully_sharded",
+                                  "--mixed-precision", "bf16", "--remat"}
+               for t in small.tried)  # fmt: skip
 
 
 def test_bad_hooks_and_axis_sizes_are_refused_with_the_fix(tmp_path):

@@ -97,11 +97,13 @@ HEADROOM = 0.95
 
 
 def _family(plan: Any) -> tuple[str, ...]:
-    """The axes above 1 (and a pipeline's schedule): plans the model errs alike on."""
+    """The preset (when not hybrid), the axes above 1 and a pipeline's schedule: plans the
+    model errs alike on."""
     if plan is None:
         return ()
     axes = tuple(a for a, n in plan.sizes.items() if n > 1)
-    return axes + ((plan.schedule,) if plan.stage > 1 else ())
+    preset = (plan.preset,) if getattr(plan, "preset", "hybrid") != "hybrid" else ()
+    return preset + axes + ((plan.schedule,) if plan.stage > 1 else ())
 
 
 def _order(scored: tuple[Any, float, float]) -> tuple[int, int, float]:

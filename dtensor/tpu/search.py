@@ -1,8 +1,8 @@
 """The library picks the plan: ``python -m dtensor.aot --search`` and its memory-only mode ``--fit``.
 
-:func:`search_plans` enumerates ``HybridStrategy`` plans for a script's model on a topology
-(:mod:`dtensor.tpu.plans`: the six axes, ``across_slices``, the pipeline and context modes,
-the memory rungs), ranks them by an analytic model of memory and step time
+:func:`search_plans` enumerates ``FullyShardedStrategy`` and ``HybridStrategy`` plans for a
+script's model on a topology (:mod:`dtensor.tpu.plans`: the six axes, ``across_slices``, the
+pipeline and context modes, the memory rungs), ranks them by an analytic model of memory and step time
 (:mod:`dtensor.tpu.estimate`), compiles only the most promising few (``max_compiles``), each
 in its own process and cached on disk (:mod:`dtensor.tpu.compiles`), and returns the fitting
 plan with the lowest compiled step-time floor. After each compile the estimates of the plans
@@ -203,7 +203,8 @@ def search_plans(
     log: Callable[[str], None] | None = None,
     show: int = 12,
 ) -> SearchResult:
-    """Search ``HybridStrategy`` plans for ``script``'s model on ``topology`` (module docs).
+    """Search ``FullyShardedStrategy`` and ``HybridStrategy`` plans for ``script``'s model on
+    ``topology`` (module docs).
 
     Args:
         script: a training script with the ``aot_step`` hook and, for the full search, the
