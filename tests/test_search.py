@@ -16,7 +16,7 @@ import dtensor.tpu
 from dtensor.analysis.hardware import CHIPS
 from dtensor.tpu import aot
 from dtensor.tpu.estimate import estimate
-from dtensor.tpu.plans import ModelFacts, Plan, enumerate_plans, plan_from_argv
+from dtensor.tpu.plans import LOGITS_BYTES, ModelFacts, Plan, enumerate_plans, plan_from_argv
 from dtensor.tpu.scripts import load_script
 from dtensor.tpu.search import FitError, Rung
 from tests.once import once, shared_dir
@@ -68,7 +68,7 @@ def forwarding_script(tmp_path: Path, name: str, body: str = "") -> str:
         (_facts(experts=4, experts_per_token=2), 16, 1),
         (_facts(layers=6, heads=12, kv_heads=4, batch=24), 12, 1),
         (_facts(), 16, 2),
-        (_facts(flags=(*ALL_FLAGS, "--loss-chunks")), 8, 1),
+        (_facts(flags=(*ALL_FLAGS, "--loss-chunks"), vocab=2**17, seq=8192), 8, 1),
     ],
 )
 def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips, slices):
@@ -96,6 +96,9 @@ def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips
     assert any(p.expert > 1 for p in plans) == bool(facts.experts)
     assert {p.remat for p in plans} == {"none", "full", "dots_saveable"}
     assert {p.loss_chunks for p in plans} == ({1, 8} if facts.accepts("loss_chunks") else {1})
+    for p in plans:  # the loss in slices only where a device's logits are large
+        tokens = facts.batch * facts.seq / (p.data * p.fsdp * p.expert * p.context)
+        assert p.loss_chunks == 1 or tokens * facts.vocab / p.tensor * 6 >= LOGITS_BYTES, p
     # FullyShardedStrategy's own plans too (fsdp over every chip of one slice), ranked first
     fully = [p for p in plans if p.preset == "fully_sharded"]
     assert bool(fully) == (slices == 1 and facts.batch % chips == 0)
