@@ -369,7 +369,6 @@ def test_the_guide_s_search_table_is_the_results_file():
     assert markdown(results) in (root / "docs" / "guides" / "large_models.md").read_text()
     for row in results["rows"]:  # every plan compiled, with its figures and the model's
         assert row["best"] is None or row["best"]["compiled"]
-        for plan in row["tried"]:
-            assert {"argv", "peak_bytes_per_device", "step_time_floor_seconds", "compiled"} <= set(
-                plan
-            )
+        for plan in row["tried"]:  # figures, or the compiler's error for the plan
+            figures = {"peak_bytes_per_device", "step_time_floor_seconds"}
+            assert {"argv", "compiled"} <= set(plan) and (figures <= set(plan) or plan["error"])
