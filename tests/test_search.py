@@ -276,30 +276,6 @@ def test_a_plan_whose_compute_alone_cannot_beat_the_best_is_not_compiled():
     assert Calibration().least_compute(same_flops.estimate) == 0.0  # nothing compiled yet
 
 
-def test_while_nothing_fits_a_family_not_compiled_yet_gets_its_turn():
-    # Gemma 3 12B on v5e:4x4 within MaxText's 14.30 GiB: the tensor plans came out at
-    # 1.08x their estimates, over the limit; the fully sharded plan, estimated higher (0.88x
-    # of its compile), fits. While nothing fits, an uncompiled family within 15% goes first.
-    from types import SimpleNamespace
-
-    from dtensor.tpu.ranking import Calibration, next_candidate
-
-    def candidate(plan, peak):
-        est = SimpleNamespace(peak_bytes_per_device=peak, step_time_floor_seconds=1.0,
-                              compute_seconds=0.5)  # fmt: skip
-        return SimpleNamespace(name=plan.name(), estimate=est, plan=plan, faster=False)
-
-    over = {"name": "fsdp=4 tensor=4", "fits": False, "compiled": True,
-            "ratio": {"peak": 1.0, "floor": 1.0}}  # fmt: skip
-    calibration = Calibration()
-    calibration.add(over, Plan(fsdp=4, tensor=4))
-    tensor = candidate(Plan(fsdp=2, tensor=8), 10.0)  # the same family as the one compiled
-    fully = candidate(Plan(fsdp=16, preset="fully_sharded"), 11.0)
-    assert next_candidate([tensor, fully], [over], calibration, 5.0) is fully
-    far = candidate(Plan(fsdp=16, preset="fully_sharded"), 12.0)  # beyond 15%: the lowest
-    assert next_candidate([tensor, far], [over], calibration, 5.0) is tensor
-
-
 def test_a_search_that_fits_nothing_points_past_its_own_axes():
     # The message a search gives (not --fit's "--search also tries ..."), and the guide's
     # table row for it: the smallest compiled peak, with its plan.

@@ -2,7 +2,7 @@
 
 With the analytic model (:mod:`dtensor.tpu.estimate`): the plan predicted to fit with the
 lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
-with the lowest predicted peak, or one of a family not compiled yet within 15% of it. Predictions are the estimates times the geometric mean of the
+with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
 compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
 best plan left, even at the most favourable ratio seen, would not beat the best compiled floor;
 a plan whose compute alone (its estimate at the lowest compute ratio seen: the FLOPs change
@@ -94,9 +94,6 @@ class Calibration:
 #: A plan is predicted to fit when its predicted peak is within this fraction of the limit
 #: (the rest is the program's code and the compiler's own buffers).
 HEADROOM = 0.95
-#: While nothing fits: a family not compiled yet is tried first when its predicted peak is
-#: within this factor of the lowest (the model's peak ratios spread 0.7-1.6 across families).
-EXPLORE = 1.15
 
 
 def _family(plan: Any) -> tuple[str, ...]:
@@ -150,13 +147,7 @@ def next_candidate(
         return pick
     if best is not None:
         return None
-    # Nothing fits yet: the lowest predicted peak, or a family not compiled yet whose peak is
-    # within EXPLORE of it (the model errs by family: Gemma 3 12B's fully sharded plan was
-    # estimated 0.88 of its compile, the tensor plans 1.08, so its rank alone never came up).
-    lowest = min(scored, key=lambda x: x[1])
-    seen = {family for family, _, _ in calibration.seen}
-    fresh = [x for x in scored if _family(x[0].plan) not in seen and x[1] <= EXPLORE * lowest[1]]
-    return min(fresh or [lowest], key=lambda x: x[1])[0]
+    return min(scored, key=lambda x: x[1])[0]
 
 
 def choose(tried: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
