@@ -46,7 +46,7 @@ import dataclasses
 from typing import Any
 
 from dtensor.analysis.hardware import Chip
-from dtensor.tpu.plans import AXES, ModelFacts, Plan
+from dtensor.tpu.plans import AXES, ModelFacts, Plan, device_tokens, logits_bytes
 
 __all__ = ["Estimate", "estimate"]
 
@@ -178,7 +178,7 @@ def estimate(
     if g > 1:  # a layer read and the next prefetched (every layer when kept), the embeddings
         kept = 2 if plan.reshard else L // s
         gathered = layer * (kept * cb + 4) + embed / t * cb
-    tokens = facts.batch * facts.seq / (d_ * plan.fsdp * plan.expert * plan.context)
+    tokens = device_tokens(plan, facts)
     hq, hkv = facts.heads * facts.head_dim / t, facts.kv_heads * facts.head_dim / t
     f = facts.ffn * (facts.experts_per_token if facts.experts else 1) / t
     kind = _attention(facts, chip, plan)
@@ -192,7 +192,7 @@ def estimate(
     activations = tokens * (L / s) * saved
     kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
-    logits = tokens * facts.vocab / t * (4 + cb) / plan.loss_chunks
+    logits = logits_bytes(plan, facts, cb)
     working = max(working, logits)
 
     # --- floor

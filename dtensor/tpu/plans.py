@@ -358,12 +358,23 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     # the slices cost a recompute of the head (Gemma 3 12B fully sharded on v5e:4x4: 954 ms
     # against 879 ms whole) and do not always lower the peak (Gemma 7B, fsdp=2 tensor=8: 10.7
     # GiB against 10.6): searched only where a device's float32 and bf16 logits pass 2 GiB
-    tokens = facts.batch * facts.seq / (plan.data * plan.fsdp * plan.expert * plan.context)
-    big = tokens * facts.vocab / plan.tensor * 6 >= LOGITS_BYTES
+    big = logits_bytes(plan, facts, 2.0) * plan.loss_chunks >= LOGITS_BYTES
     slices = facts.accepts("loss_chunks") and facts.vocab % 8 == 0 and big
     chunks = (1, 8) if slices else (1,)
     for precision, remat, n in itertools.product(precisions, remats, chunks):
         yield dataclasses.replace(plan, precision=precision, remat=remat, scan=scan, loss_chunks=n)
+
+
+def device_tokens(plan: Plan, facts: ModelFacts) -> float:
+    """A device's tokens: the batch over ``data x fsdp x expert``, the sequence over ``context``."""
+    return facts.batch * facts.seq / (plan.data * plan.fsdp * plan.expert * plan.context)
+
+
+def logits_bytes(plan: Plan, facts: ModelFacts, compute_bytes: float) -> float:
+    """A device's live logits: float32 and the compute dtype, the vocabulary over ``tensor``,
+    one of ``plan.loss_chunks`` slices at a time."""
+    vocab = facts.vocab / plan.tensor / plan.loss_chunks
+    return device_tokens(plan, facts) * vocab * (4 + compute_bytes)
 
 
 @functools.cache
