@@ -31,6 +31,8 @@ values (float32: equal to rounding).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import sequential_vmap
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["DISPATCH_SCOPE", "TOKEN_AXES", "expert_mlp", "routed_scope"]
@@ -170,10 +173,46 @@ def expert_mlp(
 # ------------------------------------------------------------------------------- per device
 
 
-def _ffn(xs, sizes, w_gate, w_up, w_down, activation):
-    up = jax.lax.ragged_dot(xs, w_up, sizes)
-    h = activation(up) if w_gate is None else activation(jax.lax.ragged_dot(xs, w_gate, sizes)) * up
-    return jax.lax.ragged_dot(h.astype(w_down.dtype), w_down, sizes)
+def _ffn(xs, sizes, w_gate, w_up, w_down, activation, scope=None):
+    dot = _grouped(scope)
+    up = dot(xs, w_up, sizes)
+    h = activation(up) if w_gate is None else activation(dot(xs, w_gate, sizes)) * up
+    return dot(h.astype(w_down.dtype), w_down, sizes)
+
+
+@functools.cache
+def _grouped(scope: str | None) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """``jax.lax.ragged_dot`` whose batching is a loop, forward and backward.
+
+    libtpu's ragged dot takes no batch dimension, and a pipeline's map over its stages
+    (``jax.vmap`` in :func:`dtensor.pipeline`) would give every grouped matmul one: "number of
+    batch dimensions should be 0, got 1". Under ``vmap`` these run one batch element at a
+    time (``jax.custom_batching.sequential_vmap``; a stage's device holds one, so the loop
+    runs once); the gradients are their own grouped matmuls, looped alike (a ``custom_vjp``:
+    ``custom_vmap`` has no reverse mode). ``scope`` names the matmuls for the floor's count
+    (:func:`routed_scope`); a nested trace starts its own name stack, so it is set inside.
+    """
+
+    def named():
+        return jax.named_scope(scope) if scope else contextlib.nullcontext()
+
+    def dot(x, w, sizes):
+        with named():
+            return jax.lax.ragged_dot(x, w, sizes)
+
+    def grads(x, w, sizes, g):  # the transposes alone (a vjp would recompute the product)
+        with named():
+            (dx,) = jax.linear_transpose(lambda a: jax.lax.ragged_dot(a, w, sizes), x)(g)
+            (dw,) = jax.linear_transpose(lambda b: jax.lax.ragged_dot(x, b, sizes), w)(g)
+        return dx, dw
+
+    looped, looped_grads = sequential_vmap(dot), sequential_vmap(grads)
+    grouped = jax.custom_vjp(looped)
+    grouped.defvjp(
+        lambda x, w, sizes: (looped(x, w, sizes), (x, w, sizes)),
+        lambda res, g: (*looped_grads(*res, g), None),
+    )
+    return grouped
 
 
 def _combine(rows, order, weights, dtype):
@@ -233,8 +272,11 @@ def _parallel(tokens, ids, weights, w_gate, w_up, w_down, activation, axis, exch
     labels = jnp.tile(jnp.arange(local + 1), n)
     which = jnp.repeat(labels, counts, total_repeat_length=buffer)
     regroup = jnp.argsort(which, stable=True)
-    with jax.named_scope(routed_scope(k, n * per)):  # the floor counts the rows routed only
-        done = _ffn(got[regroup], mine.sum(0).astype(jnp.int32), w_gate, w_up, w_down, activation)
+    # The floor counts the rows routed only (their scope names the share).
+    scope = routed_scope(k, n * per)
+    done = _ffn(
+        got[regroup], mine.sum(0).astype(jnp.int32), w_gate, w_up, w_down, activation, scope
+    )
     done = jnp.zeros_like(done).at[regroup].set(done)
     if exchange == "ragged":
         home = (jnp.cumsum(per_dev, axis=1) - per_dev)[:, me]  # the senders' offsets for me
