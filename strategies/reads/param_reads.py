@@ -321,13 +321,24 @@ def _without(entry: Any, axes: tuple[str, ...]) -> Any:
 def _swap_modules(
     modules: dict[tuple[Any, ...], Any], owners: set[tuple[Any, ...]], options: ReadOptions
 ) -> None:
+    def is_named(path: tuple[Any, ...]) -> bool:
+        base = swaps.swapped_base(type(modules[path]))
+        return bool(options.remat) and issubclass(base, options.remat)
+
+    # A module rematerialised to re-gather its own weights, whose descendants are
+    # rematerialised too (named, or owners of their own sharded weights), would wrap them all
+    # in one checkpoint: the model's root owning the embedding would recompute the whole
+    # forward pass and keep every layer's activations for the backward (FSDP-NOTES: never
+    # one checkpoint around the loss). Its own weights stay gathered instead.
+    units = {p for p in modules if is_named(p)} | set(owners)
+    resharded = {o for o in owners if not any(len(u) > len(o) and u[: len(o)] == o for u in units)}
     rematted: list[tuple[Any, ...]] = []
     for path in sorted(modules, key=len):  # ancestors first
         module = modules[path]
         base = swaps.swapped_base(type(module))
         inside = any(path[: len(r)] == r for r in rematted)
-        named = bool(options.remat) and issubclass(base, options.remat) and not inside
-        reshard = options.reshard_after_forward and path in owners and not inside
+        named = is_named(path) and not inside
+        reshard = options.reshard_after_forward and path in resharded and not inside
         # An embedding lookup on Explicit axes (a subclass's own __call__ reaches it
         # through super(), as Flax Gemma's ScaledEmbed does).
         embed = options.gather and issubclass(base, nnx.Embed)
