@@ -276,6 +276,39 @@ def test_a_plan_whose_compute_alone_cannot_beat_the_best_is_not_compiled():
     assert Calibration().least_compute(same_flops.estimate) == 0.0  # nothing compiled yet
 
 
+def test_the_first_compile_is_the_fully_sharded_preset_s_best_plan():
+    # Gemma 3 12B on v5e:4x4 within MaxText's 14.30 GiB: the model put the fully sharded
+    # plan at 16.35 GiB (embedding and logits counted at once), the tensor plans at 14.75,
+    # so the search spent its compiles on the tensor family (14.33-18.2 GiB, none fitting);
+    # the fully sharded plan compiles at 14.297 GiB, under MaxText's peak and floor.
+    from types import SimpleNamespace
+
+    from dtensor.tpu.ranking import Calibration, next_candidate
+
+    gib = 2.0**30
+
+    def candidate(name, peak, floor, preset="hybrid"):
+        est = SimpleNamespace(peak_bytes_per_device=peak * gib, step_time_floor_seconds=floor,
+                              compute_seconds=floor)  # fmt: skip
+        plan = SimpleNamespace(preset=preset, sizes={"fsdp": 4, "tensor": 4}, stage=1,
+                               context_mode="gather", schedule="gpipe", reshard=True,
+                               remat="full", loss_chunks=1)  # fmt: skip
+        return SimpleNamespace(name=name, estimate=est, plan=plan, faster=False)
+
+    tensor = candidate("fsdp=4 tensor=4", 14.75, 0.50)
+    fs = candidate("fully_sharded fsdp=16", 16.35, 0.88, "fully_sharded")
+    far = candidate("fully_sharded fsdp=16 fp32", 19.92, 1.32, "fully_sharded")
+    limit = 14.30 * gib
+    assert next_candidate([tensor, far, fs], [], Calibration(), limit) is fs
+    # Predicted to fit: its fitting plan with the lowest floor.
+    fits = candidate("fully_sharded fsdp=16 loss/8", 12.0, 0.95, "fully_sharded")
+    assert next_candidate([tensor, fs, fits], [], Calibration(), limit) is fits
+    # Out of reach (over 1.25x the limit), or once anything compiled: the ranking decides.
+    assert next_candidate([tensor, far], [], Calibration(), limit) is tensor
+    done = {"name": "x", "fits": False, "compiled": True, "step_time_floor_seconds": None}
+    assert next_candidate([tensor, fs], [done], Calibration(), limit) is tensor
+
+
 def test_a_search_that_fits_nothing_points_past_its_own_axes():
     # The message a search gives (not --fit's "--search also tries ..."), and the guide's
     # table row for it: the smallest compiled peak, with its plan.
