@@ -45,7 +45,10 @@ class FullyShardedStrategy(Strategy):
         devices: the devices (default: all).
         reshard_after_forward: free each gathered weight after its forward
             use and gather it again in the backward pass (each module that
-            directly owns a sharded variable is rematerialised, gathers only);
+            directly owns a sharded variable is rematerialised, gathers only; one
+            with such modules or ``remat=`` blocks below it keeps its own weights
+            gathered, so a model's root owning the embedding is never one checkpoint
+            around the whole model);
             ``False`` keeps gathered weights for the backward pass. It shapes
             the gather-at-read plan; with ``gather_at_read=False`` XLA's plan
             decides by itself.
