@@ -309,6 +309,33 @@ def test_the_first_compile_is_the_fully_sharded_preset_s_best_plan():
     assert next_candidate([tensor, fs], [done], Calibration(), limit) is tensor
 
 
+def test_a_plan_near_the_limit_is_compiled_only_for_a_clearly_lower_floor():
+    # Gemma 2B within MaxText's 4.24 GiB: the GPipe pipeline compiled at 4.23 GiB and
+    # 164.3 ms; the circular one beside it was predicted at the same 4.2 GiB (inside the
+    # limit, outside its 5% headroom) and 115.6 ms, and the search stopped there.
+    from types import SimpleNamespace
+
+    from dtensor.tpu.ranking import Calibration, next_candidate
+
+    gib = 2.0**30
+
+    def candidate(name, peak, floor):
+        est = SimpleNamespace(peak_bytes_per_device=peak * gib, step_time_floor_seconds=floor,
+                              compute_seconds=floor / 2)  # fmt: skip
+        return SimpleNamespace(name=name, estimate=est, plan=None, faster=False)
+
+    best = {"name": "gpipe", "fits": True, "compiled": True, "step_time_floor_seconds": 0.1643,
+            "ratio": {"peak": 1.0, "floor": 1.0, "compute": 1.0}}  # fmt: skip
+    calibration = Calibration()
+    calibration.add(best)
+    limit = 4.24 * gib
+    circular = candidate("circular", 4.2, 0.1156)
+    slower = candidate("context", 4.2, 0.150)  # within the model's spread (1.15) of the best
+    over = candidate("over", 4.3, 0.05)
+    assert next_candidate([slower, over, circular], [best], calibration, limit) is circular
+    assert next_candidate([slower, over], [best], calibration, limit) is None
+
+
 def test_a_search_that_fits_nothing_points_past_its_own_axes():
     # The message a search gives (not --fit's "--search also tries ..."), and the guide's
     # table row for it: the smallest compiled peak, with its plan.

@@ -5,7 +5,9 @@ plan (the preset a user runs without a search, where its predicted peak is withi
 the limit), then the plan predicted to fit with the lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
 with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
 compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
-best plan left, even at the most favourable ratio seen, would not beat the best compiled floor;
+best plan left, even at the most favourable ratio seen, would not beat the best compiled floor
+(a plan predicted within the limit but not its 5% headroom is compiled only when its floor
+beats the best even at the model's spread);
 a plan whose compute alone (its estimate at the lowest compute ratio seen: the FLOPs change
 little from plan to plan) would not beat it is never compiled.
 
@@ -144,15 +146,37 @@ def next_candidate(
     if best_floor:  # no compute-bound plan that cannot beat the best: its FLOPs alone lose
         fitting = [x for x in fitting if calibration.least_compute(x[0].estimate) < best_floor]
         if not fitting:
-            return None
+            return _near_the_limit(scored, calibration, limit, best_floor)
     if fitting:
         pick, _, floor = min(fitting, key=_order)
         if best_floor and floor / calibration.optimism() >= best_floor:
-            return None
+            return _near_the_limit(scored, calibration, limit, best_floor)
         return pick
     if best is not None:
-        return None
+        return _near_the_limit(scored, calibration, limit, best_floor)
     return min(scored, key=lambda x: x[1])[0]
+
+
+def _near_the_limit(
+    scored: Sequence[tuple[Any, float, float]],
+    calibration: Calibration,
+    limit: float,
+    best_floor: float | None,
+) -> Any | None:
+    """Once a plan fits: one predicted within the limit but not its headroom, whose predicted
+    floor beats the best compiled one even at the model's spread (``optimism``), is worth a
+    compile (Gemma 2B within MaxText's 4.24 GiB: the GPipe plan compiled at 4.23 GiB, and the
+    circular one beside it, predicted at the same peak, a third faster); else ``None``."""
+    if not best_floor:
+        return None
+    near = [
+        x
+        for x in scored
+        if HEADROOM * limit < x[1] <= limit
+        and x[2] * calibration.optimism() < best_floor
+        and calibration.least_compute(x[0].estimate) < best_floor
+    ]
+    return min(near, key=_order)[0] if near else None
 
 
 #: The first compile is FullyShardedStrategy's best plan where its predicted peak is within
