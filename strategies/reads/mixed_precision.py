@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "to_bfloat16"]
 
 
 def _float_dtype(value: Any, name: str) -> np.dtype:
@@ -44,11 +45,22 @@ class MixedPrecision:
     ``param_dtype`` on every module of the step's model that has a floating
     one, on the objects the step traces (the user's modules are untouched).
 
+    A float32 read of one layer of a scanned stack (``nnx.scan``) is cast to
+    bfloat16 by its bits (rounded to nearest even: the values XLA's convert
+    gives), not by a convert: libtpu moves a convert of a scanned layer's
+    weights out of the loop, casting every layer's shard whole ahead of it and
+    holding that bfloat16 copy (2 bytes a parameter) through the step; the
+    bits stay in the loop, one layer at a time (Mixtral 8x7B on v5p-64,
+    ``fsdp=2 expert=8 tensor=2``: 28.75 GiB a chip with the convert, 25.9 GiB
+    without; the same floor). Other reads are converts.
+
     Args:
         param_dtype: the dtype parameters are computed (and gathered) in.
         reduce_dtype: the dtype gradients are reduced in.
         module_dtype: also compute in ``param_dtype`` in modules whose
             ``dtype`` attribute says float32.
+        hoist_casts: cast scanned layers with XLA's convert too, which the
+            compiler may move out of the loop (above).
 
     Examples:
         >>> import strategies, jax.numpy as jnp
@@ -63,6 +75,7 @@ class MixedPrecision:
     param_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
     module_dtype: bool = False
+    hoist_casts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _float_dtype(self.param_dtype, "param_dtype"))
@@ -74,6 +87,14 @@ class MixedPrecision:
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == self.param_dtype:
             return value
         return value.astype(self.param_dtype)
+
+    def cast_layer(self, value: Any) -> Any:
+        """:meth:`cast` for a read of one layer of a stack inside a scanned loop: float32 to
+        bfloat16 by the bits (:func:`to_bfloat16`) unless ``hoist_casts``."""
+        dtype = getattr(value, "dtype", None)
+        if not self.hoist_casts and dtype == np.float32 and self.param_dtype == jnp.bfloat16:
+            return to_bfloat16(value)
+        return self.cast(value)
 
     def set_module_dtype(self, module: Any) -> None:
         """With ``module_dtype``: ``module.dtype`` to ``param_dtype`` where it is a wider float.
@@ -109,3 +130,34 @@ def check_mixed_precision(value: Any) -> MixedPrecision | None:
         "strategies.MixedPrecision(param_dtype=..., reduce_dtype=...). Wrap the dtypes in "
         "strategies.MixedPrecision."
     )
+
+
+@jax.custom_vjp
+def to_bfloat16(x: Any) -> jax.Array:
+    """``x.astype(jnp.bfloat16)`` for float32 ``x``, computed from its bits (round to nearest
+    even; NaN stays NaN), which the compiler cannot move out of a loop as it moves a convert
+    (:class:`MixedPrecision`). Its gradient is the cotangent in float32, as a convert's.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> from strategies.reads.mixed_precision import to_bfloat16
+        >>> x = jnp.asarray([1.0, 1.00390625, 1.01171875, -3e38, np.inf, 1e-40], jnp.float32)
+        >>> bool((to_bfloat16(x) == x.astype(jnp.bfloat16)).all())
+        True
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    odd = (bits >> 16) & jnp.uint32(1)
+    rounded = ((bits + jnp.uint32(0x7FFF) + odd) >> 16).astype(jnp.uint16)
+    out = jax.lax.bitcast_convert_type(rounded, jnp.bfloat16)
+    return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, jnp.bfloat16), out)
+
+
+def _to_bfloat16_fwd(x: Any) -> tuple[jax.Array, None]:
+    return to_bfloat16(x), None
+
+
+def _to_bfloat16_bwd(_: None, g: Any) -> tuple[jax.Array]:
+    return (g.astype(jnp.float32),)
+
+
+to_bfloat16.defvjp(_to_bfloat16_fwd, _to_bfloat16_bwd)

@@ -206,7 +206,7 @@ def _traced(
                     axes = tuple(a for a in axes if a not in kept)
                 read = _layer_gathered(layout, node, axes, mp)
             elif mp is not None:
-                read = mp.cast
+                read = _cast_reads(node, mp)
             if read is not None:
                 swaps.read_through(node, read)
         _swap_modules(modules, owners, options)
@@ -231,6 +231,19 @@ def _owner(path: tuple[Any, ...], modules: dict[tuple[Any, ...], Any]) -> tuple[
         if path[:n] in modules:
             return path[:n]
     return ()
+
+
+def _cast_reads(var: nnx.Variable, mp: MixedPrecision) -> Callable[[Any], Any]:
+    """Reads of ``var`` cast; a read of one layer of a stack (inside ``nnx.scan``) by
+    :meth:`MixedPrecision.cast_layer`, which stays in the loop."""
+    shape = np.shape(var.get_raw_value())
+
+    def one(value: Any) -> Any:
+        if len(shape) > 1 and np.shape(value) == shape[1:]:
+            return mp.cast_layer(value)
+        return mp.cast(value)
+
+    return one
 
 
 def _whole_or_layer_reads(
@@ -290,7 +303,7 @@ def _layer_gathered(
 
     @jax.custom_vjp
     def gathered(value: Any) -> Any:
-        value = value if mp is None else mp.cast(value)
+        value = value if mp is None else mp.cast_layer(value)
         return jax.lax.with_sharding_constraint(value, whole)
 
     dtype = np.dtype(var.get_raw_value().dtype)
