@@ -276,7 +276,7 @@ def test_a_plan_whose_compute_alone_cannot_beat_the_best_is_not_compiled():
     assert Calibration().least_compute(same_flops.estimate) == 0.0  # nothing compiled yet
 
 
-def test_the_first_compile_is_the_fully_sharded_preset_s_best_plan():
+def test_the_first_compile_is_the_default_plan_s_best_variant():
     # Gemma 3 12B on v5e:4x4 within MaxText's 14.30 GiB: the model put the fully sharded
     # plan at 16.35 GiB (embedding and logits counted at once), the tensor plans at 14.75,
     # so the search spent its compiles on the tensor family (14.33-18.2 GiB, none fitting);
@@ -307,6 +307,13 @@ def test_the_first_compile_is_the_fully_sharded_preset_s_best_plan():
     assert next_candidate([tensor, far], [], Calibration(), limit) is tensor
     done = {"name": "x", "fits": False, "compiled": True, "step_time_floor_seconds": None}
     assert next_candidate([tensor, fs], [done], Calibration(), limit) is tensor
+    # On several slices: data parallel across them, fully sharded within (MaxText's plan;
+    # Llama 2 70B on 2 x v5p-64); a pipeline across the slices is no default.
+    hsdp = candidate("data=2 fsdp=32 data over DCN", 16.0, 1.2)
+    hsdp.plan.sizes, hsdp.plan.across_slices = {"data": 2, "fsdp": 32}, "data"
+    staged = candidate("stage=2 context=32 stage over DCN", 14.0, 1.0)
+    staged.plan.sizes, staged.plan.across_slices = {"stage": 2, "context": 32}, "stage"
+    assert next_candidate([staged, hsdp], [], Calibration(), limit) is hsdp
 
 
 def test_a_plan_near_the_limit_is_compiled_only_for_a_clearly_lower_floor():

@@ -1,7 +1,8 @@
 """Which plan ``--search`` / ``--fit`` compiles next, and when it stops (:mod:`dtensor.tpu.search`).
 
-With the analytic model (:mod:`dtensor.tpu.estimate`): first ``FullyShardedStrategy``'s best
-plan (the preset a user runs without a search, where its predicted peak is within 1.25x of
+With the analytic model (:mod:`dtensor.tpu.estimate`): first the default plan's best
+variant (what a user runs without a search: ``FullyShardedStrategy`` on one slice, data
+across slices and fsdp within them on several; where its predicted peak is within 1.25x of
 the limit), then the plan predicted to fit with the lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
 with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
 compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
@@ -179,7 +180,7 @@ def _near_the_limit(
     return min(near, key=_order)[0] if near else None
 
 
-#: The first compile is FullyShardedStrategy's best plan where its predicted peak is within
+#: The first compile is the default plan's best variant where its predicted peak is within
 #: this factor of the limit (further off, it is left to the ranking).
 PRESET_REACH = 1.25
 
@@ -189,8 +190,8 @@ def _preset_first(
     fitting: Sequence[tuple[Any, float, float]],
     limit: float,
 ) -> Any | None:
-    """FullyShardedStrategy's plan to compile first: the one predicted to fit with the lowest
-    predicted floor, else the one with the lowest predicted peak if within
+    """The default plan to compile first (:func:`_default_plan`): the one predicted to fit
+    with the lowest predicted floor, else the one with the lowest predicted peak if within
     :data:`PRESET_REACH` of the limit; ``None`` without such a plan.
 
     It is the plan a user runs without a search, so the table always shows what the search
@@ -199,7 +200,7 @@ def _preset_first(
     """
 
     def preset(x: tuple[Any, float, float]) -> bool:
-        return getattr(x[0].plan, "preset", None) == "fully_sharded"
+        return _default_plan(x[0].plan)
 
     ours = [x for x in fitting if preset(x)]
     if ours:
@@ -209,6 +210,21 @@ def _preset_first(
         return None
     pick = min(ours, key=lambda x: x[1])
     return pick[0] if pick[1] <= PRESET_REACH * limit else None
+
+
+def _default_plan(plan: Any) -> bool:
+    """The plan a user runs without a search: ``FullyShardedStrategy`` on one slice; on
+    several, data parallel across the slices and fully sharded within each (MaxText's
+    default, FSDP2's HSDP)."""
+    if plan is None:
+        return False
+    if getattr(plan, "preset", "hybrid") == "fully_sharded":
+        return True
+    sizes = getattr(plan, "sizes", {})
+    others = [a for a, n in sizes.items() if n > 1 and a not in ("data", "fsdp")]
+    return (
+        getattr(plan, "across_slices", None) == "data" and sizes.get("data", 1) > 1 and not others
+    )
 
 
 def choose(tried: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
