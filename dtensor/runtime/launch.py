@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -240,7 +241,9 @@ def launch(
         devices_per_process: CPU devices each process simulates (sets
             ``DTENSOR_DEVICES_PER_PROCESS``, read by :func:`dtensor.initialize`;
             ``None``: the script's own count, one unless it sets one).
-        port: the coordinator's port on ``host`` (default: a free one).
+        port: the coordinator's port on ``host`` (default: a free one; if
+            another process takes it before the coordinator starts, the job
+            starts once more on a new one).
         timeout_s: stop everything after this many seconds (exit status 124).
         env: extra environment variables for the processes (on top of this
             process's environment).
@@ -282,6 +285,46 @@ def launch(
         >>> r.returncode, [o.strip() for o in r.outputs]
         (0, ['0', '1'])
     """
+    # A port picked here can be taken by another process between the pick and the
+    # coordinator's start: process 0 then stops before the job forms; start once more.
+    once = functools.partial(
+        _launch_once, cmd, num_processes, devices_per_process=devices_per_process,
+        timeout_s=timeout_s, env=env, grace_s=grace_s, report_s=report_s,
+        stop_on_failure=stop_on_failure, out=out, num_ps=num_ps,
+        restart_workers=restart_workers, host=host,
+    )  # fmt: skip
+    first = once(port=port)
+    if port is None and first.returncode and PORT_TAKEN in (first.outputs or ("",))[0]:
+        print(
+            "dtensor.launch: the coordinator's port was taken; starting again on a new one",
+            file=sys.stdout if out is None else out,
+            flush=True,
+        )
+        return once(port=None)
+    return first
+
+
+#: What process 0 prints when the coordinator's port was taken (``dtensor.runtime.process``).
+PORT_TAKEN = "is already in use on this host"
+
+
+def _launch_once(
+    cmd: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 5.0,
+    report_s: float = 10.0,
+    stop_on_failure: bool = True,
+    out: IO[str] | None = None,
+    num_ps: int | None = None,
+    restart_workers: int = 0,
+    host: str = "127.0.0.1",
+) -> LaunchResult:
+    """:func:`launch`, once."""
     _check(cmd, num_processes, devices_per_process)
     sink: IO[str] = sys.stdout if out is None else out
     port = free_port(host) if port is None else port

@@ -69,6 +69,43 @@ def test_free_port_by_default_and_platform_kept(monkeypatch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_picked_port_taken_before_the_coordinator_starts_is_picked_again(monkeypatch):
+    """The port the launcher picks can be taken before process 0 starts the coordinator
+    (another job on the machine: a CI flake once); the job then starts once more on a new
+    port, and a port the caller named is never changed."""
+    import socket
+
+    import dtensor.runtime.launch as launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    picks = iter([busy])
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    code = (
+        "import dtensor; dtensor.initialize(); import jax, os; "
+        "print('joined', jax.process_count(), os.environ['DTENSOR_COORDINATOR'])"
+    )
+    stream = io.StringIO()
+    try:
+        result = launch([PY, "-c", code], 2, devices_per_process=1, timeout_s=90, grace_s=1,
+                        out=stream, env={"PYTHONPATH": str(REPO)})  # fmt: skip
+        assert result.returncode == 0, report(result)
+        assert all(out.split()[-3:-1] == ["joined", "2"] for out in result.outputs), report(result)
+        assert f":{busy}" not in result.outputs[0].split()[-1]
+        assert "starting again on a new one" in stream.getvalue()
+        # A named port is the caller's: no second start.
+        named = launch([PY, "-c", code], 2, devices_per_process=1, port=busy, timeout_s=90,
+                       grace_s=1, out=quiet(), env={"PYTHONPATH": str(REPO)})  # fmt: skip
+        assert named.returncode != 0 and launcher.PORT_TAKEN in named.outputs[0], report(named)
+    finally:
+        taken.close()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_rank_prefixes_on_every_line():
     stream = io.StringIO()
