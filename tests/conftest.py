@@ -138,6 +138,8 @@ EXTENDED = {
     "tests/test_docs_commands.py::test_launch_without_devices_per_process_gives_2_processes_x_4"
     "_devices": "minutes",
     "tests/test_benchmarks.py::test_fsdp_scale_rows_on_cpu": "minutes",
+    # two Gemma 2B-sized compiles (a minute on 2 cores); the cast's values stay in make test
+    "tests/strategies/test_cast.py::test_scanned_layers_are_cast_inside_the_loop_on_tpu": "minutes",
     # 30 s of a launcher waiting out its timeout (the peer-loss paths stay in make test)
     "tests/multiprocess/test_peers.py::test_launcher_timeout_stops_joined_processes_with_their"
     "_own_line": "minutes",
