@@ -3,8 +3,8 @@
 With the analytic model (:mod:`dtensor.tpu.estimate`): first the default plan's best
 variant (what a user runs without a search: ``FullyShardedStrategy`` on one slice, data
 across slices and fsdp within them on several; where its predicted peak is within 1.25x of
-the limit), then the plan predicted to fit with the lowest predicted floor; while none is predicted to fit and nothing compiled fits, the plan
-with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
+the limit), then the plan predicted to fit with the lowest predicted floor; while none is
+predicted to fit and nothing compiled fits, the plan with the lowest predicted peak. Predictions are the estimates times the geometric mean of the
 compiled/estimated ratios seen so far (1 before the first compile). The search stops when the
 best plan left, even at the most favourable ratio seen, would not beat the best compiled floor
 (a plan predicted within the limit but not its 5% headroom is compiled only when its floor
@@ -140,7 +140,7 @@ def next_candidate(
         return None if best is not None and not first.faster else first
     best_floor = (best or {}).get("step_time_floor_seconds")
     fitting = [x for x in scored if x[1] <= HEADROOM * limit]
-    if not tried:  # the preset a user runs without a search, compiled first
+    if not tried:  # the plan a user runs without a search, compiled first
         preset = _preset_first(scored, fitting, limit)
         if preset is not None:
             return preset
@@ -199,13 +199,10 @@ def _preset_first(
     the logits counted at once: 1.14x Gemma 3 12B's compiled peak, which fit MaxText's).
     """
 
-    def preset(x: tuple[Any, float, float]) -> bool:
-        return _default_plan(x[0].plan)
-
-    ours = [x for x in fitting if preset(x)]
+    ours = [x for x in fitting if _default_plan(x[0].plan)]
     if ours:
         return min(ours, key=_order)[0]
-    ours = [x for x in scored if preset(x)]
+    ours = [x for x in scored if _default_plan(x[0].plan)]
     if not ours:
         return None
     pick = min(ours, key=lambda x: x[1])
