@@ -3,7 +3,7 @@
 :func:`analyse` takes a row's HLO text and the driver's record (:mod:`benchmarks.maxtext_driver`)
 through our HLO parser and step floor: peak per chip (:func:`peak_bytes`), the collectives by
 network, the floor and MFU ceiling (with our decoder's model FLOPs, :func:`model_flops_of`),
-and the bytes libtpu's async collective fusions repeat (:func:`async_repeats`);
+and the bytes of the copies libtpu's async collective fusions repeat (counted once);
 :func:`result_row` is a results row from a row's cache folder.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from .maxtext_driver import Row, seq_of
 
-__all__ = ["GIB", "analyse", "async_repeats", "model_flops_of", "peak_bytes", "result_row"]
+__all__ = ["GIB", "analyse", "model_flops_of", "peak_bytes", "result_row"]
 
 GIB = float(1 << 30)
 
@@ -61,8 +61,10 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
         by_network[c.network] = by_network.get(c.network, 0.0) + c.total_bytes_per_device
         key = f"{c.network} {c.kind}"
         by_kind[key] = by_kind.get(key, 0.0) + c.total_bytes_per_device
-    repeats = async_repeats(hlo_text)
-    repeated = sum(c.total_bytes_per_device for c in collectives if c.name in repeats)
+    every = parse_collectives(hlo_text, mesh_shape, slices=record["slices"], chained_copies=True)
+    repeated = sum(c.total_bytes_per_device for c in every) - sum(
+        c.total_bytes_per_device for c in collectives
+    )
     devices = len(record["slices"])
     chip = CHIPS[record["device_kind"]]
     floor = step_floor(
@@ -85,10 +87,9 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
         "dcn_bytes_per_device": by_network["dcn"],
         "comm_by_kind": dict(sorted(by_kind.items())),
         # libtpu's async collective fusions repeat a collective (same channel) in the fusion
-        # that starts it, each continuation and the one that ends it; the floor counts every
-        # copy, as explain does. These are the bytes of the copies after the first.
+        # that starts it, each continuation and the one that ends it; the floor counts it
+        # once, as explain does. These are the bytes of the copies after the first.
         "async_repeat_bytes_per_device": repeated,
-        "ici_seconds_without_repeats": (by_network["ici"] - repeated) / chip.ici_bytes_per_s,
         # libtpu's collective matmuls (windowed einsums: a loop of collective-permutes
         # beside the matmul's blocks), as while loops in the HLO
         "collective_matmul_loops": len(
@@ -96,35 +97,6 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
         ),
         "collectives": len(collectives),
     }
-
-
-def async_repeats(hlo_text: str) -> set[str]:
-    """Names of the collectives that repeat one started earlier in an async collective
-    fusion chain: those in ``async_collective_fusion*`` computations (continuations) and
-    in fusions ending with an ``AsyncCollectiveDone`` custom call.
-
-    Examples:
-        >>> text = (
-        ...     "%start (p: f32[4]) -> f32[8] {\\n"
-        ...     "  %ag.1 = f32[8]{0} all-gather(%p), channel_id=3, dimensions={0}\\n"
-        ...     '  ROOT %s = f32[8]{0} custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"\\n'
-        ...     "}\\n"
-        ...     "%async_collective_fusion.2 (p: f32[4]) -> f32[8] {\\n"
-        ...     "  ROOT %ag.2 = f32[8]{0} all-gather(%p), channel_id=3, dimensions={0}\\n"
-        ...     "}\\n")
-        >>> sorted(async_repeats(text))
-        ['ag.2']
-    """
-    from dtensor.analysis.hlo import KINDS
-    from dtensor.analysis.hlo_text import computations
-
-    comps, _ = computations(hlo_text)
-    out: set[str] = set()
-    for name, instrs in comps.items():
-        done = any(i.opcode == "custom-call" and '"AsyncCollectiveDone"' in i.rest for i in instrs)
-        if name.startswith("async_collective_fusion") or done:
-            out.update(i.name for i in instrs if i.opcode in KINDS)
-    return out
 
 
 def model_flops_of(size: str, topology: str, devices: int, seq: int = 1024) -> float | None:

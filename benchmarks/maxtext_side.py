@@ -49,7 +49,7 @@ from .maxtext_driver import (
     row_key,
     seq_of,
 )
-from .maxtext_read import GIB, analyse, async_repeats, model_flops_of, peak_bytes, result_row
+from .maxtext_read import GIB, analyse, model_flops_of, peak_bytes, result_row
 
 __all__ = [
     "CACHE",
@@ -62,7 +62,6 @@ __all__ = [
     "VENV",
     "Row",
     "analyse",
-    "async_repeats",
     "by_row",
     "compile_row",
     "load",

@@ -250,7 +250,8 @@ def loss_fn(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     cfg = model.cfg
     if cfg.loss_chunks > 1:
         x, aux, head = model.features(batch["x"])
-        loss = chunked_cross_entropy(x, head, batch["y"], cfg.loss_chunks)
+        tiled = fused_cross_entropy if cfg.loss_tiling == "tokens" else chunked_cross_entropy
+        loss = tiled(x, head, batch["y"], cfg.loss_chunks)
     elif not cfg.experts:
         logits = model(batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
@@ -293,6 +294,76 @@ def chunked_cross_entropy(
     init = (neg, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32))
     (top, total, picked), _ = jax.lax.scan(body, init, (slices, jnp.arange(chunks)))
     return (top + jnp.log(total) - picked).mean()
+
+
+def fused_cross_entropy(
+    x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int
+) -> jax.Array:
+    """Mean cross-entropy of the logits ``x @ head`` against ``targets``, the tokens in
+    ``chunks`` slices, each slice's gradients computed in the forward pass: one slice's
+    float32 logits live at a time, and nothing is recomputed in the backward pass (where
+    :func:`chunked_cross_entropy` recomputes the logits, ``2 x tokens x d x vocab`` FLOPs:
+    75 ms of Llama 3.1 8B's 10.7 s step floor at 32 x 32768 tokens on v5p-64). The backward
+    pass scales the input's and the head's gradients by the loss's cotangent. Slice ``j`` holds tokens ``j, j + chunks, ...`` of each sequence, so a
+    batch split over devices stays split, and a sequence split over them too (its length
+    over ``chunks`` is what is split). The head's gradient is accumulated in float32.
+    ``x`` ``(batch, seq, d)``, ``head`` ``(d, vocab)``, ``targets`` ``(batch, seq)``.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> x = jax.random.normal(jax.random.key(0), (2, 8, 4))
+        >>> head = jax.random.normal(jax.random.key(1), (4, 16))
+        >>> y = jax.random.randint(jax.random.key(2), (2, 8), 0, 16)
+        >>> whole = optax.softmax_cross_entropy_with_integer_labels(x @ head, y).mean()
+        >>> bool(jnp.allclose(fused_cross_entropy(x, head, y, 4), whole, rtol=1e-6))
+        True
+    """
+    *lead, seq, d = x.shape
+    if seq % chunks:
+        raise ValueError(
+            f"fused_cross_entropy: the sequence ({seq} tokens) does not divide into {chunks} "
+            "chunks; choose loss_chunks dividing it."
+        )
+    count = math.prod(targets.shape)
+
+    def split(a: jax.Array) -> jax.Array:  # (..., seq, *rest) -> (chunks, ..., seq/chunks, *rest)
+        k = len(lead)
+        a = a.reshape(*a.shape[:k], seq // chunks, chunks, *a.shape[k + 1 :])
+        return jnp.moveaxis(a, k + 1, 0)
+
+    def merge(a: jax.Array) -> jax.Array:
+        a = jnp.moveaxis(a, 0, len(lead) + 1)
+        return a.reshape(*lead, seq, *a.shape[len(lead) + 2 :])
+
+    def forward(x: jax.Array, head: jax.Array, targets: jax.Array) -> Any:
+        def body(carry: Any, piece: Any) -> Any:
+            total, grad_head = carry
+            xs, ys = piece
+            logits = jnp.einsum("...d,dv->...v", xs, head).astype(jnp.float32)
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            picked = jnp.take_along_axis(logits, ys[..., None], -1)[..., 0]
+            probs = jnp.exp(logits - lse[..., None])
+            onehot = jax.nn.one_hot(ys, logits.shape[-1], dtype=jnp.float32)
+            g = ((probs - onehot) / count).astype(x.dtype)
+            dxs = jnp.einsum("...v,dv->...d", g, head).astype(x.dtype)
+            grad_head = grad_head + jnp.einsum(
+                "...d,...v->dv", xs, g, preferred_element_type=jnp.float32
+            )
+            return (total + (lse - picked).sum(), grad_head), dxs
+
+        init = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
+        (total, grad_head), dx = jax.lax.scan(body, init, (split(x), split(targets)))
+        return total / count, (merge(dx), grad_head.astype(head.dtype))
+
+    @jax.custom_vjp
+    def loss(x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
+        return forward(x, head, targets)[0]
+
+    def loss_bwd(grads: Any, ct: jax.Array) -> Any:
+        dx, dhead = grads
+        return (ct * dx).astype(dx.dtype), (ct * dhead).astype(dhead.dtype), None
+
+    loss.defvjp(forward, loss_bwd)
+    return loss(x, head, targets)
 
 
 # ---------------------------------------------------------- Hugging Face checkpoints

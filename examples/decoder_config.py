@@ -56,10 +56,20 @@ class DecoderConfig:
     #: The loss over the vocabulary in this many slices (:func:`chunked_cross_entropy`): one
     #: slice's float32 logits live at a time; 1 (the default): the whole logits at once.
     loss_chunks: int = 1
+    #: How the loss is sliced: ``"vocab"`` (:func:`chunked_cross_entropy`: slices of the
+    #: vocabulary, the logits recomputed in the backward pass) or ``"tokens"``
+    #: (:func:`fused_cross_entropy`: slices of the tokens, gradients taken in the forward
+    #: pass, nothing recomputed).
+    loss_tiling: str = "vocab"
     #: RMSNorm's epsilon (Hugging Face's ``rms_norm_eps``: 1e-5 for Llama 2 and 3).
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        if self.loss_tiling not in ("vocab", "tokens"):
+            raise ValueError(
+                f"DecoderConfig(loss_tiling={self.loss_tiling!r}) is not a tiling; valid: "
+                "'vocab', 'tokens'."
+            )
         if self.block not in BLOCKS:
             raise ValueError(
                 f"DecoderConfig(block={self.block!r}) is not a block kind; valid: {BLOCKS}."

@@ -37,6 +37,7 @@ DECODER_FLAGS = (
     "--expert",
     "--across-slices",
     "--loss-chunks",
+    "--loss-tiling",
 )
 
 

@@ -133,6 +133,14 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         "logits live at a time (MaxText's vocabulary tiling); default 1",
     )
     p.add_argument(
+        "--loss-tiling",
+        choices=("vocab", "tokens"),
+        default=None,
+        help="decoder, with --loss-chunks: slice the vocabulary (the logits recomputed in the "
+        "backward pass; the default) or the tokens (each slice's gradients taken in the "
+        "forward pass, nothing recomputed)",
+    )
+    p.add_argument(
         "--context",
         type=int,
         default=None,
@@ -243,6 +251,8 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
         model_changes["attention"] = args.attention
     if getattr(args, "loss_chunks", None) and decoder:
         model_changes["loss_chunks"] = args.loss_chunks
+    if getattr(args, "loss_tiling", None) and decoder:
+        model_changes["loss_tiling"] = args.loss_tiling
     if args.mixed_precision in ("bf16", "bf16-compute"):
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
             extra = {"module_dtype": True} if args.mixed_precision == "bf16-compute" else {}

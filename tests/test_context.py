@@ -21,7 +21,7 @@ import strategies
 from dtensor.core.attention import CONTEXT_SCOPE
 from examples.decoder import CONFIGS, Block, tensor_rules
 from tests import signatures
-from tests.test_decoder import _batches, _build, _step
+from tests.test_decoder import _batches, _build, _reference, _step
 
 B, S, H, KVH, D = 4, 32, 4, 2, 8
 MESHES = {
@@ -482,6 +482,42 @@ def test_chunked_cross_entropy_is_the_loss_and_gradients_of_whole_logits(size):
         loss_fn(Decoder(cfg.replace(loss_chunks=3), rngs=nnx.Rngs(0)), batch)
 
 
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_loss_tiled_by_tokens_is_the_loss_and_gradients_of_whole_logits(size):
+    """DecoderConfig(loss_chunks=4, loss_tiling="tokens"): the tokens in four slices, each
+    slice's gradients taken in the forward pass, give the whole logits' loss and gradients
+    (float32); under a loss scaled by 3 the gradients scale too (the cotangent is applied)."""
+    from examples.decoder import Decoder, loss_fn
+
+    cfg = CONFIGS[size]
+    batch = _batches(cfg)[0]
+    want, want_grads = nnx.value_and_grad(loss_fn)(Decoder(cfg, rngs=nnx.Rngs(0)), batch)
+    tiled = Decoder(cfg.replace(loss_chunks=4, loss_tiling="tokens"), rngs=nnx.Rngs(0))
+    got, grads = nnx.value_and_grad(loss_fn)(tiled, batch)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    _close(grads, want_grads, 1e-5)
+    tripled = nnx.grad(lambda m, b: 3.0 * loss_fn(m, b))(tiled, batch)
+    _close(tripled, jax.tree.map(lambda g: 3.0 * g, want_grads), 1e-5)
+    seq = batch["x"].shape[-1]
+    with pytest.raises(ValueError, match=rf"sequence \({seq} tokens\) does not divide into 5"):
+        loss_fn(Decoder(cfg.replace(loss_chunks=5, loss_tiling="tokens"), rngs=nnx.Rngs(0)), batch)
+
+
+def test_loss_tiled_by_tokens_trains_like_one_device_under_hybrid_context():
+    """The token slices under HybridStrategy(fsdp=2, context=4) on 8 devices (the sequence
+    split over ``context``, a slice every fourth token): three Adam steps (eps=1e-3) equal
+    one device's with the whole logits."""
+    cfg = CONFIGS["tiny"]
+    batches = _batches(cfg)
+    want, want_params = _reference(cfg, batches, eps=1e-3)
+    s = strategies.HybridStrategy(fsdp=2, context=4, min_shard_bytes=0)
+    with s.scope():
+        model, opt = _build(cfg.replace(loss_chunks=4, loss_tiling="tokens"), eps=1e-3)
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5)
+
+
 def test_floor_counts_cudnn_attention_flops_causal_halved():
     """cuDNN's fused attention (jax.nn.dot_product_attention(implementation='cudnn')) in the
     floor: two matmuls forward, five backward (p recomputed), halved for a causal mask."""
@@ -512,7 +548,7 @@ def test_long_context_benchmark_table_is_the_guide_s():
     rows = json.loads((root / "benchmarks" / "results" / "long_context.json").read_text())["rows"]
     guide = " ".join((root / "docs" / "guides" / "large_models.md").read_text().split())
     assert " ".join(long_context.markdown(rows).split()) in guide
-    whole, tiled, longest, a100, h100 = rows
+    whole, tiled, by_tokens, longest, a100, h100 = rows
     assert whole["maxtext_peak_gib"] == tiled["maxtext_peak_gib"] == 37.97
     assert tiled["peak_gib"] < tiled["maxtext_peak_gib"] < whole["peak_gib"]
     assert f"needs {tiled['peak_gib']:.2f} GiB per chip with the vocabulary in 8 slices" in guide
@@ -526,6 +562,13 @@ def test_long_context_benchmark_table_is_the_guide_s():
     assert round(mt["peak_bytes_per_chip"] / (1 << 30), 2) == tiled["maxtext_peak_gib"]
     assert f"gives {mt['step_time_floor_seconds'] * 1e3:.0f} ms" in guide
     assert f"ours with the vocabulary in 8 slices is {tiled['floor_ms']:.0f} ms" in guide
+    # the tokens in slices: the whole logits' floor (nothing recomputed) at the slices' peak
+    assert by_tokens["floor_ms"] < tiled["floor_ms"] and by_tokens["peak_gib"] < whole["peak_gib"]
+    assert by_tokens["floor_ms"] <= mt["step_time_floor_seconds"] * 1e3
+    assert (
+        f"the tokens in 8 slices (`--loss-tiling tokens`) need {by_tokens['peak_gib']:.2f} GiB "
+        f"at {by_tokens['floor_ms']:.1f} ms" in guide
+    )
     assert f"{tiled['floor_ms'] / (mt['step_time_floor_seconds'] * 1e3):.3f}x it" in guide
     assert f"needs {a100['peak_gib']:.2f} GiB per A100 80GB and {h100['peak_gib']:.2f} GiB" in guide
 

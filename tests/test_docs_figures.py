@@ -125,8 +125,17 @@ def test_large_models_guide_prose_quotes_the_results():
     ours_c = [ms(ours(*k)["step_floor"]["compute_seconds"]) for k in compute]
     for a, b in zip(theirs_c, ours_c, strict=True):
         assert abs(int(a) - int(b)) <= 0.02 * int(a)  # "within 2%"
-    repeats = [mt[(s, v5e)]["async_repeat_bytes_per_device"] / GIB for s, _ in gemmas]
-    without = [ms(mt[(s, v5e)]["ici_seconds_without_repeats"]) for s, _ in gemmas]
+    # libtpu's async collective chains count once (dtensor.analysis.hlo); what every copy
+    # added to MaxText's Gemma programs, and the floors it gave
+    repeats = [mt[(s, v5e)]["async_repeat_bytes_per_device"] for s, _ in gemmas]
+    copies = [
+        ms(
+            mt[(s, v5e)]["step_floor"]["ici_seconds"]
+            * (1 + r / mt[(s, v5e)]["ici_bytes_per_device"])
+        )
+        for (s, _), r in zip(gemmas, repeats, strict=True)
+    ]
+    repeats = [r / GIB for r in repeats]
     big = ours("llama3.1-405b", "v5p:8x8x8", scan)
     big_mt = mt[("llama3.1-405b", "v5p:8x8x8")]
     seventy = ours("llama2-70b", v5p, scan)
@@ -135,10 +144,9 @@ def test_large_models_guide_prose_quotes_the_results():
     t4 = ours("llama2-70b", v5p, "hybrid tensor=4 + bf16 + remat + scan")
     gathered = ours("7b", v5e, "bf16 + remat + scan + gather layers")
     fit = _json("fit_gemma3_12b_v5e")
-    given, lighter = fit["tried"][0], fit["tried"][1]
-    flax = _json("flax_gemma")["rows"]
+    given, faster = fit["tried"][0], fit["best"]
+    assert given["name"] == "as given" and given["fits"]  # checked first
     gemma_floor = mt[("gemma3-12b", v5e)]["step_time_floor_seconds"]
-    assert all((r.get("step_time_floor_seconds") or 1e9) > gemma_floor for r in flax)
     _missing(
         "docs/guides/large_models.md",
         [
@@ -146,14 +154,15 @@ def test_large_models_guide_prose_quotes_the_results():
             f"70b) sit within 2% of ours ({', '.join(ours_c)})",
             f"{comm('2b', v5e, unrolled)} and {comm('2b', v5e, scan)} GiB of collectives a "
             f"chip against {mt_ici('2b', v5e)}",
-            f"unrolled 7b ({comm('7b', v5e, unrolled)} GiB of collectives against "
-            f"{mt_ici('7b', v5e)})",
+            f"{comm('7b', v5e, scan)} for the scanned 7b ({comm('7b', v5e, unrolled)} "
+            f"unrolled) against {mt_ici('7b', v5e)}, {comm('gemma3-12b', v5e, scan)} for the "
+            f"12b against {mt_ici('gemma3-12b', v5e)}",
             f"(compute-bound; {comm('llama2-70b', v5p, scan)} GiB of collectives a chip against "
             f"{mt_ici('llama2-70b', v5p)}",
             f"{across['dcn_bytes_per_device'] / GIB:.2f} GiB over DCN against MaxText's "
             f"{mt[('llama2-70b', two)]['dcn_bytes_per_device'] / GIB:.2f}",
-            f"{repeats[0]:.1f}, {repeats[1]:.1f} and {repeats[2]:.1f} GiB of the ICI bytes "
-            f"(floors of {without[0]}, {without[1]} and {without[2]} ms",
+            f"{repeats[0]:.1f}, {repeats[1]:.1f} and {repeats[2]:.1f} GiB more (floors of "
+            f"{copies[0]}, {copies[1]} and {copies[2]} ms",
             f"compiled in {big['compile_seconds']:.0f} s here, with "
             f"{big['state_bytes_per_device'] / GIB:.2f} GiB of variables and AdamW state and "
             f"{big['temp_bytes_per_device'] / GIB:.1f} GiB of temporaries per chip against "
@@ -171,8 +180,8 @@ def test_large_models_guide_prose_quotes_the_results():
             f"as given: fits, peak {given['peak_bytes_per_chip'] / GIB:.1f} GiB per chip, floor "
             f"{given['step_time_floor_seconds'] * 1e3:.1f} ms, MFU ceiling "
             f"{given['mfu_ceiling']:.1%}",
-            f"{lighter['name']}: does not fit, peak {lighter['peak_bytes_per_chip'] / GIB:.1f} "
-            "GiB per chip",
+            f"fits: {faster['name']}: peak {faster['peak_bytes_per_chip'] / GIB:.1f} GiB per chip, "
+            f"step-time floor {faster['step_time_floor_seconds'] * 1e3:.1f} ms",
             f"gemma3-12b program has a {ms(gemma_floor)} ms floor",
             # beside the GPU compiler's 70b row: the same plan on v5p:4x4x4
             f"against {seventy['peak_bytes_per_chip'] / GIB:.1f} GiB per chip for the same plan "

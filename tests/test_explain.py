@@ -556,3 +556,85 @@ def test_byte_helpers():
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         ring_bytes("broadcast", 100, 8)
     assert np.isclose(ring_bytes("all-gather", 800, 8), 700.0)
+
+
+# libtpu's async collective fusion, as in a Gemma 2B layer on v5e:4x4 (libtpu 0.0.42): the
+# all-gather of a kernel starts in the layer's body, continues inside a collective-matmul loop
+# (trip count 8) and ends after it; every piece repeats the whole all-gather with one
+# channel_id and threads the gathered buffer through the loop.
+CHAIN_HLO = """HloModule jit_pure
+
+%start_fusion (p0: bf16[128,256]) -> bf16[2048,256] {
+  %p0 = bf16[128,256]{1,0} parameter(0)
+  %ag.1 = bf16[2048,256]{1,0} all-gather(%p0), channel_id=64, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="2"}
+  ROOT %s = bf16[2048,256]{1,0} custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.7 (p0: bf16[128,256], p1: bf16[2048,256]) -> bf16[2048,256] {
+  %p0 = bf16[128,256]{1,0} parameter(0)
+  %p1 = bf16[2048,256]{1,0} parameter(1)
+  ROOT %ag.2 = bf16[2048,256]{1,0} all-gather(%p0), channel_id=64, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="2"}
+}
+
+%done_fusion (p0: bf16[128,256], p1: bf16[2048,256]) -> bf16[2048,256] {
+  %p0 = bf16[128,256]{1,0} parameter(0)
+  %p1 = bf16[2048,256]{1,0} parameter(1)
+  %ag.3 = bf16[2048,256]{1,0} all-gather(%p0), channel_id=64, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="2"}
+  ROOT %d = bf16[2048,256]{1,0} custom-call(%ag.3, %p1), custom_call_target="AsyncCollectiveDone"
+}
+
+%windowed_dot_general_body (p: (s32[], bf16[128,256], bf16[2048,256])) -> (s32[], bf16[128,256], bf16[2048,256]) {
+  %p = (s32[], bf16[128,256]{1,0}, bf16[2048,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[128,256]{1,0} get-tuple-element(%p), index=1
+  %buf = bf16[2048,256]{1,0} get-tuple-element(%p), index=2
+  %f = bf16[2048,256]{1,0} fusion(%x, %buf), kind=kCustom, calls=%async_collective_fusion.7
+  %cp = bf16[128,256]{1,0} collective-permute(%x), channel_id=65, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], bf16[128,256]{1,0}, bf16[2048,256]{1,0}) tuple(%i, %cp, %f)
+}
+
+%cond (p: (s32[], bf16[128,256], bf16[2048,256])) -> pred[] {
+  %p = (s32[], bf16[128,256]{1,0}, bf16[2048,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[128,256]) -> bf16[2048,256] {
+  %a = bf16[128,256]{1,0} parameter(0)
+  %s = bf16[2048,256]{1,0} fusion(%a), kind=kCustom, calls=%start_fusion
+  %c0 = s32[] constant(0)
+  %init = (s32[], bf16[128,256]{1,0}, bf16[2048,256]{1,0}) tuple(%c0, %a, %s)
+  %w = (s32[], bf16[128,256]{1,0}, bf16[2048,256]{1,0}) while(%init), condition=%cond, body=%windowed_dot_general_body
+  %y = bf16[128,256]{1,0} get-tuple-element(%w), index=1
+  %b = bf16[2048,256]{1,0} get-tuple-element(%w), index=2
+  ROOT %r = bf16[2048,256]{1,0} fusion(%y, %b), kind=kCustom, calls=%done_fusion
+}
+"""
+
+
+def test_an_async_collective_fusion_chain_counts_once():
+    """The continuations (8 loop trips) and the end repeat the started all-gather: read as
+    one all-gather where it starts, not ten (what the floor counted before: libtpu chains
+    held half the ICI bytes of a Gemma 2B step on v5e:4x4)."""
+    gathers = [c for c in parse_collectives(CHAIN_HLO, None, 16) if c.kind == "all-gather"]
+    assert [(c.name, c.count, c.shape) for c in gathers] == [("ag.1", 1, (2048, 256))]
+    assert gathers[0].bytes_per_device == 15 / 16 * 2048 * 256 * 2
+    permutes = [c for c in parse_collectives(CHAIN_HLO, None, 16) if c.kind != "all-gather"]
+    assert [(c.kind, c.count) for c in permutes] == [("collective-permute", 8)]
+    every = parse_collectives(CHAIN_HLO, None, 16, chained_copies=True)
+    assert sorted((c.name, c.count) for c in every if c.kind == "all-gather") == [
+        ("ag.1", 1),
+        ("ag.2", 8),
+        ("ag.3", 1),
+    ]
+    # A continuation whose start is not in the text (no matching channel) still counts.
+    orphan = CHAIN_HLO.replace(
+        "channel_id=64, replica_groups=[1,16]<=[16], dimensions={0}, "
+        'use_global_device_ids=true, frontend_attributes={chain_id="2"}\n'
+        "  ROOT %s",
+        "channel_id=63, replica_groups=[1,16]<=[16], "
+        "dimensions={0}, use_global_device_ids=true\n  ROOT %s",
+    )
+    names = sorted(c.name for c in parse_collectives(orphan, None, 16) if c.kind == "all-gather")
+    assert names == ["ag.1", "ag.2", "ag.3"]

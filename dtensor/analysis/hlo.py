@@ -25,6 +25,15 @@ in a branch of a ``conditional`` whose name scope ends ``..._1_in_N_ticks``
 (:func:`dtensor.pipeline`'s hand-off between stages, taken one tick in ``N``)
 as ``1 / N`` of those.
 
+libtpu overlaps a collective with the matmuls around it by an *async collective
+fusion* chain: the fusion that starts it (an ``AsyncCollectiveStart`` custom
+call), continuation fusions (``async_collective_fusion...``, often inside a
+collective-matmul loop) and the fusion that ends it (``AsyncCollectiveDone``).
+Every piece repeats the whole collective instruction, with the same
+``channel_id``, and threads one output buffer and its progress counters through
+the chain: it is one collective, counted once, where it starts
+(``chained_copies=True`` counts every piece).
+
 Multi-slice TPU programs (given ``slices=``, each device's slice index) are
 compiled per slice: replica groups use slice-local ids, and what crosses
 slices is a megascale host transfer (a ``send`` whose
@@ -82,6 +91,7 @@ def parse_collectives(
     *,
     slices: Sequence[int] | None = None,
     hosts: Sequence[int] | None = None,
+    chained_copies: bool = False,
 ) -> list[Collective]:
     """Every collective operand in optimised HLO text, in program order.
 
@@ -114,10 +124,13 @@ def parse_collectives(
         num_devices = len(net.local)
     comps, entry = computations(text)
     mults = multipliers(comps, entry)
+    copies = set() if chained_copies else _chain_copies(comps)
     starts: dict[str, tuple[str, Instr, str]] = {}
     out: list[Collective] = []
     for comp, instrs in comps.items():
         for ins in instrs:
+            if ins.name in copies:
+                continue
             if ins.opcode in _ASYNC:
                 starts[ins.name] = (_ASYNC[ins.opcode], ins, comp)
                 continue
@@ -163,6 +176,27 @@ def parse_collectives(
         fake = "(" + ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in half) + ")"
         out.extend(_collective(kind, start, fake, mults[comp], mesh_shape, num_devices, net))
     return out
+
+
+def _chain_copies(comps: dict[str, list[Instr]]) -> set[str]:
+    """Names of the collectives that continue or end an async collective fusion chain
+    whose start (same ``channel_id``, outside the continuations and the end) is seen."""
+    kinds = set(KINDS) | set(_ASYNC)
+    repeats: dict[str, list[str]] = {}
+    started: set[str] = set()
+    for name, instrs in comps.items():
+        repeat = name.startswith("async_collective_fusion") or any(
+            i.opcode == "custom-call" and '"AsyncCollectiveDone"' in i.rest for i in instrs
+        )
+        for i in instrs:
+            channel = attr(i.rest, "channel_id") if i.opcode in kinds else None
+            if channel is None:
+                continue
+            if repeat:
+                repeats.setdefault(channel, []).append(i.name)
+            else:
+                started.add(channel)
+    return {n for channel, names in repeats.items() if channel in started for n in names}
 
 
 def _tuple_items(shape: str) -> list[str]:

@@ -72,6 +72,9 @@ _SAME_WEIGHT = {
     "optimization_barrier",
     "reduce_precision",
 }
+# Custom-derivative calls of a weight returning one array of its shape: the weight recast
+# (MixedPrecision's in-loop cast of a scanned layer, ``to_bfloat16``, works on its bits).
+_CAST_CALLS = {"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"}
 # Calls whose body is skipped: their avals are per device, or they run a data-dependent
 # number of times.
 _OPAQUE = {"shard_map", "cond", "while", "custom_partitioning"}
@@ -149,6 +152,12 @@ def _walk(jaxpr: Any, taint: dict[Any, int], n: int, mult: int) -> float:
             for outer, out in zip(eqn.outvars, body.outvars, strict=False):
                 if not _literal(out) and out in inner_taint:
                     taint[outer] = inner_taint[out]
+        if name in _CAST_CALLS and len(eqn.outvars) == 1:
+            shape = getattr(eqn.outvars[0].aval, "shape", None)
+            cast = (k for v, k in zip(eqn.invars, ins, strict=True) if k and v.aval.shape == shape)
+            k = next(cast, None)
+            if k:
+                taint[eqn.outvars[0]] = k
     return total
 
 

@@ -24,7 +24,9 @@ Floor (seconds), as :mod:`dtensor.analysis.floor` reads a compiled program:
 - **compute**: the model FLOPs (the script's, else ``6 x params x tokens``) over the chips
   at the chip's bf16 peak, attention's share counted as its implementation's matmuls are
   (Splash's backward kernels, cuDNN's causal half), raised by the remat's recomputed forward
-  pass (a third of the layers' matmuls) and by the pipeline's bubble iterations
+  pass (a third of the layers' matmuls), by the logits recomputed when the loss is sliced by
+  vocabulary (``--loss-chunks`` without ``--loss-tiling tokens``) and by the pipeline's
+  bubble iterations
   (``(R M + S - 1) / (R M)``);
 - **ICI / DCN**: each axis's collectives at their ring sizes: ``fsdp x context x expert``
   gathers the weights as XLA's plan does (three times a step, four with remat; once when
@@ -204,6 +206,8 @@ def estimate(
     # the recomputed forward pass: a third of the layers' matmuls (XLA's attention's too)
     again = 1 / 3 if plan.remat == "full" else 0.0
     flops = (mf - att - head) * (1 + again) + head
+    if plan.loss_chunks > 1 and plan.loss_tiling == "vocab":
+        flops += head / 3  # the logits recomputed in the backward pass
     flops += att * (_ATTENTION_FLOPS[kind] + (again if kind == "xla" else 0.0))
     rounds = max(1, L // s) if plan.schedule == "circular" else 1
     if s > 1:

@@ -60,6 +60,7 @@ KNOB_FLAGS = {
     "offload": "--offload-optimizer",
     "reshard": "--no-reshard-after-forward",
     "loss_chunks": "--loss-chunks",
+    "loss_tiling": "--loss-tiling",
 }
 #: The loss in vocabulary slices is searched where a device's logits (float32 and bf16) are
 #: at least this large.
@@ -138,6 +139,7 @@ class Plan:
     reshard: bool = True
     preset: str = "hybrid"
     loss_chunks: int = 1
+    loss_tiling: str = "vocab"
 
     @property
     def chips(self) -> int:
@@ -167,7 +169,8 @@ class Plan:
                                   ("offload", self.offload), ("keep gathered", not self.reshard))
                   if on]  # fmt: skip
         if self.loss_chunks > 1:
-            parts.append(f"loss/{self.loss_chunks}")
+            tokens = " by tokens" if self.loss_tiling == "tokens" else ""
+            parts.append(f"loss/{self.loss_chunks}{tokens}")
         return " ".join(parts)
 
     def flags(self) -> list[str]:
@@ -198,6 +201,8 @@ class Plan:
                 out.append(flag)
         if self.loss_chunks > 1:
             out += ["--loss-chunks", str(self.loss_chunks)]
+            if self.loss_tiling != "vocab":
+                out += ["--loss-tiling", self.loss_tiling]
         return out
 
     def strategy_line(self) -> str:
@@ -347,7 +352,9 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     ``FullyShardedStrategy``; on TPU and GPU ``HybridStrategy`` leaves the gathers to XLA.
     The loss over the vocabulary in 8 slices (``--loss-chunks 8``, where 8 divides it) is
     searched too where a device's logits pass :data:`LOGITS_BYTES`: one slice's float32
-    logits at a time (at 32768 tokens a chip, Llama 3's 128256-word logits are 23 GiB)."""
+    logits at a time (at 32768 tokens a chip, Llama 3's 128256-word logits are 23 GiB); and,
+    for a script that takes ``--loss-tiling``, the tokens in 8 slices, each slice's gradients
+    taken in the forward pass (the same memory, no logits recomputed)."""
     precisions = ("none", "bf16") if facts.accepts("precision") else ("none",)
     remats = ["none"]
     if facts.accepts("remat"):
@@ -360,9 +367,13 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     # GiB against 10.6): searched only where a device's float32 and bf16 logits pass 2 GiB
     big = logits_bytes(plan, facts, 2.0) * plan.loss_chunks >= LOGITS_BYTES
     slices = facts.accepts("loss_chunks") and facts.vocab % 8 == 0 and big
-    chunks = (1, 8) if slices else (1,)
-    for precision, remat, n in itertools.product(precisions, remats, chunks):
-        yield dataclasses.replace(plan, precision=precision, remat=remat, scan=scan, loss_chunks=n)
+    chunks = [(1, "vocab")] + ([(8, "vocab")] if slices else [])
+    # the tokens in slices, each one's gradients taken in the forward pass: no recompute
+    if slices and facts.accepts("loss_tiling") and facts.seq % (8 * plan.context) == 0:
+        chunks.append((8, "tokens"))
+    for precision, remat, (n, tiling) in itertools.product(precisions, remats, chunks):
+        yield dataclasses.replace(plan, precision=precision, remat=remat, scan=scan,
+                                  loss_chunks=n, loss_tiling=tiling)  # fmt: skip
 
 
 def device_tokens(plan: Plan, facts: ModelFacts) -> float:
@@ -383,7 +394,8 @@ def _argv_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="")
     for knob in ("data", "tensor", "stage", "microbatches", "context", "expert", "loss_chunks"):
         p.add_argument(KNOB_FLAGS[knob], type=int, default=None)
-    for knob in ("schedule", "context_mode", "across_slices", "precision", "remat_policy"):
+    for knob in ("schedule", "context_mode", "across_slices", "precision", "remat_policy",
+                 "loss_tiling"):  # fmt: skip
         p.add_argument(KNOB_FLAGS[knob], default=None)
     for flag in _BOOLEAN:
         p.add_argument(flag, action="store_true")
@@ -411,6 +423,7 @@ def plan_from_argv(argv: Sequence[str], *, chips: int, num_slices: int = 1) -> P
         "reshard": not args.no_reshard_after_forward,
         "preset": args.strategy or "fully_sharded",
         "loss_chunks": args.loss_chunks or 1,
+        "loss_tiling": args.loss_tiling or "vocab",
     }
     if args.strategy in ("", "fully_sharded"):
         return Plan(fsdp=chips, **rungs)

@@ -318,9 +318,11 @@ def fit(
     target = _target(topology, num_slices, max_bytes_per_chip)
     argv = list(argv)
     candidates = _ladder_candidates(path, argv, rungs, _hook(path), target, num_slices)
+    # the configuration as given is checked first, whatever the model predicts of it
+    given = next((c for c in candidates if c.argv == argv), None)
     found = _search(path, candidates, target, topology=topology, num_slices=num_slices,
                     max_compiles=max_compiles, cache=_cache_dir(cache_dir), timeout=timeout,
-                    progress=progress, log=log, show=0)  # fmt: skip
+                    progress=progress, log=log, show=0, first=given)  # fmt: skip
     return dataclasses.replace(
         found, script=str(script), argv=argv, seconds=time.perf_counter() - t0
     )
@@ -397,14 +399,19 @@ def _search(
     log: Callable[[str], None] | None,
     show: int,
     mode: str = "fit",
+    first: _Candidate | None = None,
 ) -> SearchResult:
-    """The one loop of ``--search`` and ``--fit``: pick, compile, correct the model, repeat."""
+    """The one loop of ``--search`` and ``--fit``: pick, compile, correct the model, repeat
+    (``first``, when given, is compiled first)."""
     remaining = list(candidates)
     calibration = Calibration()
     tried: list[dict[str, Any]] = []
     budget = len(candidates) if max_compiles is None else max_compiles
     while remaining and len(tried) < budget:
-        pick = next_candidate(remaining, tried, calibration, target.limit)
+        if first is not None and not tried and first in remaining:
+            pick = first
+        else:
+            pick = next_candidate(remaining, tried, calibration, target.limit)
         if pick is None:
             break
         remaining.remove(pick)
