@@ -406,12 +406,14 @@ def test_tpu_collectives_inside_scanned_layers_count_every_layer():
     counts = {c.count for c in report.collectives}
     assert cfg.layers in counts and max(counts) == cfg.layers
     # Known answers, whatever the compiler release: every layer's bf16 weights are gathered in
-    # the forward pass and again in the backward pass (remat), so the gathered bytes come to at
-    # least twice the bf16 weights (XLA's plan gathers some activations too: 3.3x measured on
-    # libtpu 0.0.42 and 0.0.50); and every gradient is reduced somewhere (all-reduce, or
-    # reduce-scatter whose input is group_size times its output).
-    params = nnx.state(model, nnx.Param)
-    bf16_weights = 2 * sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    # the forward pass and again in the backward pass (remat), so the gathered bytes come to
+    # about twice the bf16 weights, a chain of libtpu's async collective fusions counted once
+    # (2.08x on libtpu 0.0.42; 1.9988x on 0.0.50, which keeps 8 KiB of one pass's gathered
+    # kernels for the other; counted once per program instead of per layer, they would be a
+    # small fraction); and every gradient is reduced somewhere (all-reduce, or reduce-scatter
+    # whose input is group_size times its output).
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    bf16_weights = 2 * sum(math.prod(x.shape) for x in params)
     gathered = sum(
         array_bytes(c.dtype, c.shape) * c.count
         for c in report.collectives
@@ -424,5 +426,5 @@ def test_tpu_collectives_inside_scanned_layers_count_every_layer():
         for c in report.collectives
         if c.kind in ("all-reduce", "reduce-scatter")
     )
-    assert gathered >= 2 * bf16_weights
+    assert gathered >= 1.99 * bf16_weights
     assert reduced >= bf16_weights
