@@ -304,9 +304,10 @@ def fused_cross_entropy(
     float32 logits live at a time, and nothing is recomputed in the backward pass (where
     :func:`chunked_cross_entropy` recomputes the logits, ``2 x tokens x d x vocab`` FLOPs:
     75 ms of Llama 3.1 8B's 10.7 s step floor at 32 x 32768 tokens on v5p-64). The backward
-    pass scales the input's and the head's gradients by the loss's cotangent. Slice ``j`` holds tokens ``j, j + chunks, ...`` of each sequence, so a
-    batch split over devices stays split, and a sequence split over them too (its length
-    over ``chunks`` is what is split). The head's gradient is accumulated in float32.
+    pass scales the input's and the head's gradients by the loss's cotangent. Slice ``j``
+    holds tokens ``j, j + chunks, ...`` of each sequence, so a batch split over devices
+    stays split, and a sequence split over them too (its length over ``chunks`` is what is
+    split). The head's gradient is accumulated in float32.
     ``x`` ``(batch, seq, d)``, ``head`` ``(d, vocab)``, ``targets`` ``(batch, seq)``.
 
         >>> import jax, jax.numpy as jnp, optax
@@ -317,7 +318,7 @@ def fused_cross_entropy(
         >>> bool(jnp.allclose(fused_cross_entropy(x, head, y, 4), whole, rtol=1e-6))
         True
     """
-    *lead, seq, d = x.shape
+    *lead, seq, _ = x.shape
     if seq % chunks:
         raise ValueError(
             f"fused_cross_entropy: the sequence ({seq} tokens) does not divide into {chunks} "
