@@ -168,15 +168,7 @@ class Decoder(nnx.Module):
         per_layer = layer_windows(cfg)
         carry: Any = (x, jnp.zeros((), jnp.float32)) if cfg.experts else x
         if cfg.scan:
-            import os
-            if per_layer is None and os.environ.get("FUNC_SCAN"):
-                graphdef, stack = nnx.split(self.layers)
-
-                def fbody(carry: Any, layer: Any) -> Any:
-                    return _step_block(run, nnx.merge(graphdef, layer), carry, positions), None
-
-                carry, _ = jax.lax.scan(fbody, carry, stack)
-            elif per_layer is None:
+            if per_layer is None:
 
                 @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
                 def body(carry: Any, block: Block, positions: jax.Array) -> Any:
