@@ -177,3 +177,34 @@ def test_tensor_all_reduces_activations_on_a_tpu_topology():
     sig.assert_splits(
         report, {"tensor": 2}, lambda p: bool(pattern.search(p)), batch_bytes=2 * BATCH * 64
     )
+
+
+def test_sequence_parallel_tensor_gathers_activations_never_the_weights_on_a_tpu_topology():
+    """HybridStrategy's sequence parallelism (scanned layers, ``remat=``, fsdp x tensor on
+    v5e:2x4): each layer's kept input is split along the sequence over ``tensor``; attention
+    and the MLP take it gathered (all-gathers of ``[rows, seq, d]`` over ``tensor``, forward
+    and backward) and split their outputs again. Left to XLA, libtpu gathered each layer's
+    weights over ``tensor`` instead (llama2-70b, tensor=4: every MLP kernel whole on a chip)."""
+    cfg = TINY.replace(scan=True)
+    s = strategies.HybridStrategy(
+        1,
+        4,
+        2,
+        rules=tensor_rules(cfg),
+        remat=(Block,),
+        min_shard_bytes=0,
+        devices=dtensor.tpu_topology("v5e:2x4"),
+    )
+    assert s.read_options().sequence_axes == ("tensor",)
+    model, opt = nnx.eval_shape(lambda: _build(cfg))
+    seq = 64
+    batch = {k: jax.ShapeDtypeStruct((BATCH, seq), jnp.int32) for k in ("x", "y")}
+    report = s.explain(_step, args=(model, opt, batch))
+    rows, f, hd = BATCH // 4, cfg.ffw, cfg.head_dim
+    # The weights of a layer, whole over tensor (as libtpu gathered them without the plan).
+    whole = {(D, f), (f, D), (D, cfg.heads, hd), (cfg.heads, hd, D), (D, cfg.kv_heads, hd)}
+    tensor = [c for c in report.collectives if c.mesh_axes == ("tensor",)]
+    gathered_weights = [c for c in tensor if sig._squeezed(c.shape) in whole]
+    assert not gathered_weights, gathered_weights
+    gathers = [c for c in sig.over(tensor, "all-gather", "tensor") if sig.shaped(c, (rows, seq, D))]
+    sig._both_passes(gathers, 2 * cfg.layers, "sequence all-gathers over tensor")

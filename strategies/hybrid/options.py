@@ -200,6 +200,9 @@ class StepOptions(VariableRules):
             sequence_axes=tuple(
                 a for a in (_C, "tensor") if not gather and self.mesh.shape.get(a, 1) > 1
             ),
+            # ... gathered back over ``tensor`` where each layer starts (its matmuls split the
+            # weights, not the sequence: Megatron's plan; left to XLA it gathered the weights).
+            layer_sequence_axes=(_C,) if self.context > 1 else (),
             # ... but an expert stack's layer stays split over ``expert``: dtensor.expert_mlp
             # runs each device's experts where they are.
             kept_axes=self.kept_axes if self.expert > 1 else None,

@@ -78,6 +78,9 @@ class ReadOptions:
     # Under XLA's plan: those ``remat=`` block inputs and outputs (rank >= 3) also split along
     # the sequence over these axes (HybridStrategy's ``tensor``): sequence parallelism.
     sequence_axes: tuple[str, ...] = ()
+    # ... and of those, the axes a layer's computation keeps the sequence split over (the
+    # rest are gathered where the layer starts, inside its recomputation); ``None``: all.
+    layer_sequence_axes: tuple[str, ...] | None = None
     # Under ``layer_gather``: the mesh axes a variable's layer reads keep split, by its path
     # (``"a/b/c"``); HybridStrategy's expert stacks keep ``expert``.
     kept_axes: Callable[[str], tuple[str, ...]] | None = None
@@ -180,6 +183,12 @@ def _traced(
                 raise RematClassError(str(err)) from None
         modules: dict[tuple[Any, ...], Any] = {}
         owners: set[tuple[Any, ...]] = set()
+        # the modules holding weights split over the axes a layer gathers the sequence over
+        split_by: set[tuple[Any, ...]] = set()
+        kept = options.layer_sequence_axes
+        gathered_sequence = tuple(
+            a for a in options.sequence_axes if kept is not None and a not in kept
+        )
         key = 0
         found = list(nnx.iter_graph(nodes))
         for path, node in found:
@@ -193,6 +202,8 @@ def _traced(
             layout = flat_layouts.get(tuple(path))
             mp = options.mixed_precision if isinstance(node, nnx.Param) else None
             sharded = isinstance(layout, Layout) and _split_over(layout, options.axes)
+            if isinstance(layout, Layout) and _split_over(layout, gathered_sequence):
+                split_by.update(tuple(path[:i]) for i in range(len(path)))
             if sharded:
                 owners.add(_owner(tuple(path), modules))
             read = None
@@ -209,7 +220,7 @@ def _traced(
                 read = _cast_reads(node, mp)
             if read is not None:
                 swaps.read_through(node, read)
-        _swap_modules(modules, owners, options)
+        _swap_modules(modules, owners, options, split_by)
 
     def step(state: Any, arrays: list[Any]) -> Any:
         new_state, out = call(state, arrays, prepare=prepare)
@@ -332,7 +343,10 @@ def _without(entry: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _swap_modules(
-    modules: dict[tuple[Any, ...], Any], owners: set[tuple[Any, ...]], options: ReadOptions
+    modules: dict[tuple[Any, ...], Any],
+    owners: set[tuple[Any, ...]],
+    options: ReadOptions,
+    split_by: set[tuple[Any, ...]],
 ) -> None:
     def is_named(path: tuple[Any, ...]) -> bool:
         base = swaps.swapped_base(type(modules[path]))
@@ -346,6 +360,7 @@ def _swap_modules(
     units = {p for p in modules if is_named(p)} | set(owners)
     resharded = {o for o in owners if not any(len(u) > len(o) and u[: len(o)] == o for u in units)}
     rematted: list[tuple[Any, ...]] = []
+    layers: set[tuple[Any, ...]] = set()  # the named ones: batch-split layers
     for path in sorted(modules, key=len):  # ancestors first
         module = modules[path]
         base = swaps.swapped_base(type(module))
@@ -364,9 +379,23 @@ def _swap_modules(
             embed=embed,
             batch_axes=options.batch_axes if named and not options.gather else (),
             sequence_axes=options.sequence_axes if named and not options.gather else (),
+            layer_sequence_axes=options.layer_sequence_axes,
         )
         if named or reshard:
             rematted.append(path)
+        if named:
+            layers.add(path)
+    # Sequence parallelism: each named layer's sublayers (its child modules) whose weights are
+    # split over the sequence axes (a Megatron rule's ``tensor``) take their inputs gathered
+    # along the sequence over those, and split their outputs again; the rest (the norms) run
+    # on the split sequence.
+    layer_axes = options.layer_sequence_axes
+    if options.gather or layer_axes is None or layer_axes == options.sequence_axes:
+        return
+    for path, module in modules.items():
+        swapped = swaps.swapped_base(type(module)) is not type(module)
+        if path and path[:-1] in layers and path in split_by and not swapped:
+            swaps.swap_entry(module)
 
 
 def _over(entry: Any, axes: tuple[str, ...]) -> bool:
