@@ -75,6 +75,20 @@ OPTIONS: dict[str, list[str]] = {
         ]
         for t in (2, 4, 8)
     },
+    "hybrid tensor=4 + bf16 + remat + scan + loss by tokens": [
+        "--strategy",
+        "hybrid",
+        "--tensor",
+        "4",
+        "--mixed-precision",
+        "bf16",
+        "--remat",
+        "--scan",
+        "--loss-chunks",
+        "8",
+        "--loss-tiling",
+        "tokens",
+    ],
     **{
         f"hybrid across {a} + bf16 + remat + scan": [
             "--strategy",
