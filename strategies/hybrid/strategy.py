@@ -40,7 +40,11 @@ class HybridStrategy(StepOptions):
     Args:
         data: data-parallel size (``-1``: whatever the devices leave).
         fsdp: fully-sharded size.
-        tensor: tensor-parallel size.
+        tensor: tensor-parallel size. Under XLA's plan with ``remat=`` on a scanned
+            stack, each layer's inputs kept for the backward pass are split along the
+            sequence over ``tensor``, and each sublayer holding ``tensor``-split weights
+            (attention, the MLP) takes its input gathered over ``tensor`` and
+            reduce-scatters its output (Megatron's sequence parallelism).
         expert: expert-parallel size. Stacked expert weights (the rule of
             :func:`~strategies.hybrid.rules.expert_dim`: rank 3 or more under a path component
             ``experts``, ``[..., experts, in, out]``) split their experts
