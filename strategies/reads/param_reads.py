@@ -78,8 +78,9 @@ class ReadOptions:
     # Under XLA's plan: those ``remat=`` block inputs and outputs (rank >= 3) also split along
     # the sequence over these axes (HybridStrategy's ``tensor``): sequence parallelism.
     sequence_axes: tuple[str, ...] = ()
-    # ... and of those, the axes a layer's computation keeps the sequence split over (the
-    # rest are gathered where the layer starts, inside its recomputation); ``None``: all.
+    # ... and of those, the axes a layer's computation keeps the sequence split over: its
+    # sublayers holding weights split over the rest gather the sequence over them (inside
+    # the recomputation) and split their outputs again (``swaps.swap_entry``); ``None``: all.
     layer_sequence_axes: tuple[str, ...] | None = None
     # Under ``layer_gather``: the mesh axes a variable's layer reads keep split, by its path
     # (``"a/b/c"``); HybridStrategy's expert stacks keep ``expert``.

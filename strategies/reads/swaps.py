@@ -304,9 +304,9 @@ def swap_entry(module: nnx.Module) -> None:
     ``layer_sequence_axes``: the sublayer computes on the sequence gathered over the other
     ``sequence_axes`` (``tensor``), as Megatron's sequence parallelism gathers it before each
     column-parallel matmul, and its outputs are split again (reduce-scattered; in the
-    backward pass their cotangents gathered). Left to XLA, the sequence stayed split and each weight was
-    gathered over ``tensor`` instead (llama2-70b, tensor=4 on v5p:4x4x4: every MLP kernel
-    whole on each chip, bf16[8192, 28672])."""
+    backward pass their cotangents gathered). Left to XLA, the sequence stayed split and
+    each weight was gathered over ``tensor`` instead (llama2-70b, tensor=4 on v5p:4x4x4:
+    every MLP kernel whole on each chip, bf16[8192, 28672])."""
     module.__class__ = _entry_class(swapped_base(type(module)))
 
 
@@ -349,8 +349,8 @@ def swap_call(
     sequence) over these axes, so the layer inputs kept for the backward pass
     are not copied on each of them (Megatron's sequence parallelism).
     ``layer_sequence_axes``: the axes of ``sequence_axes`` the layer's own
-    computation keeps the sequence split over; it gathers the rest where it
-    starts (``None``: keeps all).
+    computation keeps the sequence split over; its sublayers swapped by
+    :func:`swap_entry` gather the rest (``None``: keeps all).
     """
     base = swapped_base(type(module))
     stacked = _first_shape(module) if batch_axes else None
