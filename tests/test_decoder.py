@@ -254,6 +254,15 @@ def test_swapped_block_constrains_its_batch_shaped_inputs_and_outputs_in_scanned
     stack = Decoder(cfg, rngs=nnx.Rngs(0)).layers
     split = [((8, 16, 64), PartitionSpec("fsdp", "tensor"))] * 2
     assert constrained(stack, scanned, sequence_axes=("tensor",)) == split
+    # ... and Megatron's gathers: the sublayers holding tensor-split weights (swap_entry) take
+    # the sequence whole over tensor and split their outputs again; the norms run split.
+    stack = Decoder(cfg, rngs=nnx.Rngs(0)).layers
+    swaps.swap_entry(stack.attn)
+    swaps.swap_entry(stack.mlp)
+    whole = ((8, 16, 64), PartitionSpec("fsdp"))
+    got = constrained(stack, scanned, sequence_axes=("tensor",), layer_sequence_axes=())
+    # the layer's input; attention's input and output; the MLP's; the layer's output
+    assert got == [split[0], whole, split[0], whole, split[0], split[0]], got
     block = Block(CONFIGS["tiny"], nnx.Rngs(0))
     assert constrained(block, lambda b, x: b(x, positions)) == []
 
