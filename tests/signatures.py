@@ -9,6 +9,8 @@ its HLO text) and checks what only that axis's plan puts there:
 - ``tensor``: all-reduces of activations (``[rows, seq, d_model]`` a device)
   over ``tensor``, forward and backward, two a layer at least (attention out,
   MLP down: Megatron's row-parallel matmuls);
+- ``tensor`` with sequence parallelism (scanned layers, ``remat=``): all-gathers of the
+  sequence over ``tensor`` before attention and the MLP, and no weight gathered over it;
 - ``stage``: collective-permutes of a microbatch's activations over ``stage``,
   once a pipeline tick, forward and backward;
 - ``context`` gather: all-gathers of the whole sequence's K and V over
@@ -100,6 +102,27 @@ def assert_tensor(
         c for c in over(collectives, "all-reduce", "tensor") if shaped(c, (rows, seq, d_model))
     ]
     _both_passes(found, per_layer * layers, "activation all-reduces over tensor")
+
+
+def assert_sequence_parallel(
+    collectives: Sequence[Collective],
+    *,
+    rows: int,
+    seq: int,
+    d_model: int,
+    layers: int,
+    weights: Iterable[Sequence[int]],
+) -> None:
+    """Megatron's sequence parallelism over ``tensor``: the sequence all-gathered
+    (``rows x seq x d_model`` a device) before attention and the MLP, forward and backward,
+    and no collective over ``tensor`` shaped like one of ``weights`` whole (a layer's weights
+    gathered instead of the activations)."""
+    whole = {_squeezed(w) for w in weights}
+    tensor = [c for c in collectives if c.mesh_axes == ("tensor",)]
+    gathered_weights = [c for c in tensor if _squeezed(c.shape) in whole]
+    assert not gathered_weights, gathered_weights
+    found = [c for c in over(tensor, "all-gather", "tensor") if shaped(c, (rows, seq, d_model))]
+    _both_passes(found, 2 * layers, "sequence all-gathers over tensor")
 
 
 def assert_stage(

@@ -200,11 +200,13 @@ def test_sequence_parallel_tensor_gathers_activations_never_the_weights_on_a_tpu
     seq = 64
     batch = {k: jax.ShapeDtypeStruct((BATCH, seq), jnp.int32) for k in ("x", "y")}
     report = s.explain(_step, args=(model, opt, batch))
-    rows, f, hd = BATCH // 4, cfg.ffw, cfg.head_dim
-    # The weights of a layer, whole over tensor (as libtpu gathered them without the plan).
-    whole = {(D, f), (f, D), (D, cfg.heads, hd), (cfg.heads, hd, D), (D, cfg.kv_heads, hd)}
-    tensor = [c for c in report.collectives if c.mesh_axes == ("tensor",)]
-    gathered_weights = [c for c in tensor if sig._squeezed(c.shape) in whole]
-    assert not gathered_weights, gathered_weights
-    gathers = [c for c in sig.over(tensor, "all-gather", "tensor") if sig.shaped(c, (rows, seq, D))]
-    sig._both_passes(gathers, 2 * cfg.layers, "sequence all-gathers over tensor")
+    f, hd = cfg.ffw, cfg.head_dim
+    sig.assert_sequence_parallel(
+        report.collectives,
+        rows=BATCH // 4,
+        seq=seq,
+        d_model=D,
+        layers=cfg.layers,
+        # a layer's weights whole over tensor, as libtpu gathered them without the plan
+        weights=[(D, f), (f, D), (D, cfg.heads, hd), (cfg.heads, hd, D), (D, cfg.kv_heads, hd)],
+    )

@@ -187,8 +187,8 @@ def _traced(
         # the modules holding weights split over the axes a layer gathers the sequence over
         split_by: set[tuple[Any, ...]] = set()
         kept = options.layer_sequence_axes
-        gathered_sequence = tuple(
-            a for a in options.sequence_axes if kept is not None and a not in kept
+        gathered_sequence = (
+            () if kept is None else tuple(a for a in options.sequence_axes if a not in kept)
         )
         key = 0
         found = list(nnx.iter_graph(nodes))
@@ -389,10 +389,7 @@ def _swap_modules(
     # Sequence parallelism: each named layer's sublayers (its child modules) whose weights are
     # split over the sequence axes (a Megatron rule's ``tensor``) take their inputs gathered
     # along the sequence over those, and split their outputs again; the rest (the norms) run
-    # on the split sequence.
-    layer_axes = options.layer_sequence_axes
-    if options.gather or layer_axes is None or layer_axes == options.sequence_axes:
-        return
+    # on the split sequence. (``split_by`` is empty where no axis is gathered.)
     for path, module in modules.items():
         swapped = swaps.swapped_base(type(module)) is not type(module)
         if path and path[:-1] in layers and path in split_by and not swapped:
