@@ -12,6 +12,12 @@ cache :mod:`benchmarks.third_party` fills (``make third-party``). The remat
 unit is Flax's ``modules.Block`` (``--remat-class`` picks another of its
 classes, e.g. ``FeedForward``). ``--scan`` is not Flax's code: the model's
 blocks are a Python list, so it is refused with the change it needs.
+
+``--strategy hybrid --tensor T`` splits the weights over ``tensor`` as Flax's own
+``ShardingConfig.fsdp_tp_sharding`` does (:func:`tensor_rules`), FSDP on the other
+dimensions. The ``search_facts`` hook gives ``python -m dtensor.aot --search`` the
+model's shapes and the flags this script takes (no scan, stages, context or experts:
+Flax's blocks are a list and its attention is its own).
 """
 
 from __future__ import annotations
@@ -59,6 +65,30 @@ def config(size: str, **override: Any) -> Any:
         attention_types=cfg.make_attention_layers_types(pattern, layers),
     )
     return cfg.TransformerConfig.gemma3_12b(**{**tiny, **override})
+
+
+def tensor_rules(axis: str = "tensor") -> list[tuple[str, tuple[Any, ...]]]:
+    """Flax's own tensor-parallel layouts of its Gemma's weights, as ``(regex, specs)``
+    rules for ``HybridStrategy(rules=...)``: the ``tensor`` entries of
+    ``ShardingConfig.fsdp_tp_sharding`` (heads, KV heads, MLP features, vocabulary), its
+    ``fsdp`` entries left to the preset (which splits another dimension over ``fsdp``).
+    Flax's config also splits the norms' scales over ``tensor``; they stay whole here."""
+    _, _, cfg = flax_gemma()
+    shd = cfg.ShardingConfig.fsdp_tp_sharding(tensor_parallel_axis_name=axis)
+
+    def only_tensor(spec: Any) -> tuple[Any, ...]:
+        return tuple(a if a == axis else None for a in spec)
+
+    where = {  # the module a ShardingConfig entry annotates (modules.py), by its path
+        r"embedder/embedding$": shd.emb_vd,  # ScaledEmbed, an nnx.Embed
+        r"attn/q_einsum/kernel$": shd.q_weight_ndh,
+        r"attn/kv_einsum/kernel$": shd.kv_weight_cndh,
+        r"attn/qkv_einsum/kernel$": shd.qkv_weight_cndh,
+        r"attn/attn_vec_einsum/kernel$": shd.o_weight_nhd,
+        r"mlp/(gate_proj|up_proj)/kernel$": shd.ffw_weight_df,
+        r"mlp/down_proj/kernel$": shd.ffw_weight_fd,
+    }
+    return [(path, only_tensor(spec)) for path, spec in where.items()]
 
 
 def build(cfg: Any, *, seed: int = 0, lr: float = 1e-3) -> tuple[Any, Any]:
@@ -129,7 +159,7 @@ def aot_step(argv: list[str], *, devices: Any) -> tuple[Any, Any, tuple[Any, ...
         )
     _, modules, _ = flax_gemma()
     block = getattr(modules, args.remat_class)
-    strategy, _, applied = _options().build_strategy(args, devices, block)
+    strategy, _, applied = _options().build_strategy(args, devices, block, rules=tensor_rules())
     for option, how in applied.items():
         print(f"{option}: {how}")
     cfg = config(args.model_size)
@@ -151,3 +181,51 @@ def model_flops(argv: list[str]) -> float:
     matmul = c.num_layers * (2 * d * h * hd + 2 * d * k * hd + 3 * d * c.hidden_dim)
     matmul += c.num_embed * d  # the tied head
     return 6.0 * matmul * tokens + 12.0 * c.num_layers * h * hd * seq * tokens
+
+
+#: The flags the search may set (``examples/options.py``'s): the presets' axes and memory
+#: rungs. No ``--scan``, ``--stage``, ``--context`` or ``--expert``: Flax's blocks are a
+#: Python list, its attention its own, and it has no experts.
+SEARCH_FLAGS = (
+    "--strategy",
+    "--data",
+    "--tensor",
+    "--mixed-precision",
+    "--remat",
+    "--remat-policy",
+    "--offload-optimizer",
+)
+
+
+def search_facts(argv: list[str]) -> dict[str, Any]:
+    """For ``python -m dtensor.aot --search``: the model's shapes (its parameters counted
+    from the abstract model), one step's model FLOPs and the flags this script takes.
+    The precisions searched are float32 and ``bf16-compute``: Flax's modules pin
+    ``dtype=float32``, so plain ``bf16`` (reads only) leaves float32 arithmetic."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    args = parse_args(argv)
+    c = config(args.model_size)
+    model = nnx.eval_shape(lambda: build(c)[0])
+    params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {
+        "params": params,
+        "layers": c.num_layers,
+        "heads": c.num_heads,
+        "kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden": c.embed_dim,
+        "ffn": c.hidden_dim,
+        "vocab": c.num_embed,
+        "tied": True,
+        "batch": args.batch_size,
+        "seq": args.seq_len or 1024,
+        "attention": "xla",
+        "block": "flax-gemma3",
+        "model_flops": model_flops(argv),
+        "flags": list(SEARCH_FLAGS),
+        "precisions": ["none", "bf16-compute"],
+    }

@@ -21,15 +21,28 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import common
 
-#: ``(size, topology, slices, global batch, sequence, MaxText's row in maxtext_side.json,
-#: the script's fixed flags)``: one sequence a chip, as MaxText's ``per_device_batch_size=1``.
-Row = tuple[str, str, int, int, int, str, tuple[str, ...]]
+DECODER = "examples/train.py"
+
+
+class Row(NamedTuple):
+    """A row: one sequence a chip, as MaxText's ``per_device_batch_size=1``."""
+
+    size: str
+    topology: str
+    slices: int
+    batch: int
+    seq: int
+    side: str  # MaxText's row in maxtext_side.json
+    extra: tuple[str, ...]  # the script's fixed flags
+    script: str = DECODER  # the training script searched, from the repository's root
+
+
 XLA = common.XLA_ATTENTION
-ROWS: list[Row] = [
+_ROWS: list[tuple[Any, ...]] = [
     ("2b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
     ("7b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
     ("gemma3-12b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", XLA),
@@ -48,8 +61,12 @@ ROWS: list[Row] = [
     ),
     ("mixtral-8x7b", "v5p:4x4x2", 1, 32, 1024, "v5p:4x4x2", XLA),
     ("llama3.1-405b", "v5p:8x8x8", 1, 512, 1024, "v5p:8x8x8", XLA),
+    # a model this project did not write: Flax's own Gemma 3 12B (benchmarks/flax_gemma_model.py)
+    ("gemma3-12b", "v5e:4x4", 1, 16, 1024, "v5e:4x4", (), "benchmarks/flax_gemma_model.py"),
 ]
-SCRIPT = str(common.REPO / "examples" / "train.py")
+ROWS: list[Row] = [Row(*r) for r in _ROWS]
+#: How the guide's table names a row's model, by its script.
+MODEL_NAMES = {"benchmarks/flax_gemma_model.py": "{size} (Flax's own)"}
 
 
 def _maxtext(size: str, topology: str) -> dict[str, Any] | None:
@@ -67,7 +84,8 @@ def label(topology: str, slices: int, seq: int) -> str:
 
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:
-    return r["size"], r["topology"], r.get("num_slices", 1), r.get("seq", 1024), r.get("limit")
+    where = r["topology"], r.get("num_slices", 1), r.get("seq", 1024)
+    return r.get("script", DECODER), r["size"], *where, r.get("limit")
 
 
 def run_row(row: Row, *, max_compiles: int,
@@ -76,7 +94,8 @@ def run_row(row: Row, *, max_compiles: int,
     import dtensor.tpu
     from dtensor.tpu.views import CompileProgress, render
 
-    size, topology, slices, batch, seq, side, extra = row
+    size, topology, slices, batch, seq, side, extra, script = row
+    path = str(common.REPO / script)
     argv = ["--model-size", size, "--batch-size", str(batch), "--seq-len", str(seq), *extra]
     mt = _maxtext(size, side)
     within = mt["peak_bytes_per_chip"] if limit == "maxtext" and mt is not None else None
@@ -88,14 +107,14 @@ def run_row(row: Row, *, max_compiles: int,
     )
     with CompileProgress() as progress:
         found = dtensor.tpu.search_plans(
-            SCRIPT, argv, topology=topology, num_slices=slices, max_compiles=max_compiles,
+            path, argv, topology=topology, num_slices=slices, max_compiles=max_compiles,
             cache_dir=cache_dir, progress=progress, max_bytes_per_chip=within,
         )  # fmt: skip
     print(render(found), flush=True)
     result = found.to_dict()
-    result["script"] = "examples/train.py"
+    result["script"] = script
     command = found.command()
-    result["command"] = command.replace(SCRIPT, "examples/train.py") if command else None
+    result["command"] = command.replace(path, script) if command else None
     result.update(size=size, seq=seq, maxtext=None, limit=limit, max_compiles=max_compiles,
                   limit_bytes_per_chip=found.limit_bytes_per_chip)  # fmt: skip
     if mt is not None:
@@ -120,7 +139,8 @@ def markdown(payload: dict[str, Any]) -> str:
         within = f"{limit / gib:.2f} GiB" if limit else "-"
         within += " (MaxText's peak)" if r.get("limit") == "maxtext" else " (usable HBM)"
         where = label(r["topology"], r.get("num_slices", 1), r.get("seq", 1024))
-        head = f"| {r['size']} | {where} | {within} |"
+        model = MODEL_NAMES.get(r.get("script", DECODER), "{size}").format(size=r["size"])
+        head = f"| {model} | {where} | {within} |"
         if best is None:
             seen = [t for t in r["tried"] if t.get("compiled") and t.get("peak_bytes_per_chip")]
             low = min(seen, key=lambda t: t["peak_bytes_per_chip"], default=None)
@@ -175,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         kept = json.loads((out / "search.json").read_text()).get("rows", [])
     fresh = {_key(r) for r in rows}
     merged = [r for r in kept if _key(r) not in fresh] + rows
-    order = {(size, topo, n, seq): i for i, (size, topo, n, _, seq, *_) in enumerate(ROWS)}
+    order = {(r.script, r.size, r.topology, r.slices, r.seq): i for i, r in enumerate(ROWS)}
     merged.sort(
         key=lambda r: (
-            order.get(_key(r)[:4], len(ROWS)),
+            order.get(_key(r)[:5], len(ROWS)),
             r.get("limit") != "maxtext",
         )
     )

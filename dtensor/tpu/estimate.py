@@ -111,7 +111,7 @@ def _attention(facts: ModelFacts, chip: Chip, plan: Plan) -> str:
     if facts.attention != "auto":
         return facts.attention if facts.attention in _ATTENTION_FLOPS else "xla"
     if chip.networks == ("NVLink", "IB"):
-        return "cudnn" if plan.precision == "bf16" and plan.context == 1 else "xla"
+        return "cudnn" if plan.precision != "none" and plan.context == 1 else "xla"
     return "splash"
 
 
@@ -164,7 +164,7 @@ def estimate(
     """
     n = plan.chips
     group = group or n
-    cb = 2.0 if plan.precision == "bf16" else 4.0
+    cb = 2.0 if plan.precision != "none" else 4.0
     t, s, d_ = plan.tensor, plan.stage, plan.data
     g = plan.fsdp * plan.context * plan.expert  # the axes that split the weights as FSDP
     d, L = facts.hidden, facts.layers

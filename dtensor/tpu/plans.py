@@ -77,7 +77,10 @@ class ModelFacts:
     ``params`` counts every parameter (tied embeddings once); ``flags`` are the script's
     flags the search may set; ``model_flops`` one step's (``None``: estimated as ``6 x
     params x tokens``); ``attention`` what the step's attention keeps (``"xla"``: float32
-    scores of ``[batch, heads, seq, seq]``; a kernel's name, or ``"auto"``: none).
+    scores of ``[batch, heads, seq, seq]``; a kernel's name, or ``"auto"``: none);
+    ``precisions`` the ``--mixed-precision`` values the search tries (``"bf16-compute"``
+    for a model whose modules pin their computation dtype, as Flax's own Gemma does: plain
+    ``"bf16"`` leaves its arithmetic in float32).
     """
 
     params: int
@@ -97,6 +100,7 @@ class ModelFacts:
     block: str = ""
     model_flops: float | None = None
     flags: tuple[str, ...] = ()
+    precisions: tuple[str, ...] = ("none", "bf16")
 
     @classmethod
     def from_dict(cls, facts: dict[str, Any]) -> ModelFacts:
@@ -104,6 +108,8 @@ class ModelFacts:
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in facts.items() if k in names}
         kept["flags"] = tuple(kept.get("flags", ()))
+        if "precisions" in kept:
+            kept["precisions"] = tuple(kept["precisions"])
         return cls(**kept)
 
     def accepts(self, knob: str) -> bool:
@@ -116,8 +122,9 @@ class Plan:
     """One configuration: the six axes' sizes, the modes, and the memory rungs.
 
     ``preset`` is the script's ``--strategy`` (``"hybrid"``; ``"fully_sharded"`` and others
-    come from :func:`plan_from_argv`). ``precision`` is ``"none"`` (float32) or ``"bf16"``
-    (float32 master variables, bfloat16 reads); ``remat`` ``"none"``, ``"full"`` (keep only
+    come from :func:`plan_from_argv`). ``precision`` is ``"none"`` (float32), ``"bf16"``
+    (float32 master variables, bfloat16 reads) or ``"bf16-compute"`` (and each module's
+    computation dtype set to bfloat16: ``MixedPrecision(module_dtype=True)``); ``remat`` ``"none"``, ``"full"`` (keep only
     block inputs) or a ``jax.checkpoint_policies`` name; ``reshard`` ``False`` keeps the
     gathered weights from the forward pass for the backward one.
     """
@@ -163,7 +170,8 @@ class Plan:
             parts.append(self.context_mode)
         if self.across_slices:
             parts.append(f"{self.across_slices} over DCN")
-        parts.append({"none": "fp32", "bf16": "bf16"}.get(self.precision, self.precision))
+        names = {"none": "fp32", "bf16": "bf16", "bf16-compute": "bf16 compute"}
+        parts.append(names.get(self.precision, self.precision))
         if self.remat != "none":
             parts.append("remat" if self.remat == "full" else f"remat ({self.remat})")
         parts += [w for w, on in (("scan", self.scan), ("gather layers", self.gather_layers),
@@ -232,7 +240,8 @@ class Plan:
             if not name:
                 return f"strategies.from_name({self.preset!r})"
         if self.precision != "none":
-            args.append("mixed_precision=MixedPrecision(param_dtype=jnp.bfloat16)")
+            extra = ", module_dtype=True" if self.precision == "bf16-compute" else ""
+            args.append(f"mixed_precision=MixedPrecision(param_dtype=jnp.bfloat16{extra})")
         if self.remat != "none":
             args.append("remat=(Block,)")
             if self.remat != "full":
@@ -360,7 +369,7 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     set above the logits), a search that has nothing fitting yet compiles it before the
     whole loss, which the model undercounts (Llama 3.1 405B, fsdp=128 tensor=4: predicted
     alike, compiled 22.9 GiB against 25.8); a plan that fits is ranked the simpler first."""
-    precisions = ("none", "bf16") if facts.accepts("precision") else ("none",)
+    precisions = facts.precisions if facts.accepts("precision") else ("none",)
     remats = ["none"]
     if facts.accepts("remat"):
         remats.append("full")
@@ -420,7 +429,7 @@ def plan_from_argv(argv: Sequence[str], *, chips: int, num_slices: int = 1) -> P
     """
     args, _ = _argv_parser().parse_known_args(list(argv))
     rungs = {
-        "precision": "bf16" if (args.mixed_precision or "none").startswith("bf16") else "none",
+        "precision": args.mixed_precision or "none",
         "remat": (args.remat_policy or "full") if args.remat else "none",
         "scan": args.scan,
         "gather_layers": args.gather_layers,
