@@ -8,6 +8,7 @@ target, when it was not (and skip on a flax whose sdist has no pinned sha256).
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -74,6 +75,71 @@ def test_flax_gemma_trains_under_fully_sharded_as_on_one_device(plan):
     for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
         assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
     assert type(model.embedder) is modules.ScaledEmbed  # the user's objects keep their class
+
+
+def _tensor_strategy(data=1, fsdp=4, devices=None):
+    """``data x fsdp x 2`` over Flax's own tensor layouts, remat by Flax's Block."""
+    _, modules, _ = fg.flax_gemma()
+    return strategies.HybridStrategy(
+        data, fsdp, 2, rules=fg.tensor_rules(), remat=(modules.Block,), min_shard_bytes=0,
+        devices=devices,
+    )  # fmt: skip
+
+
+def test_flax_gemma_trains_under_flax_s_own_tensor_layouts_as_on_one_device():
+    """HybridStrategy with tensor_rules(): the tensor entries of Flax's own
+    ShardingConfig.fsdp_tp_sharding (heads, KV heads, MLP features, vocabulary), FSDP on the
+    other dimensions; the step equals the single-device one."""
+    cfg = fg.config("tiny")
+    batches = _batches()
+    want, want_params = _reference(cfg, batches)
+    s = _tensor_strategy()
+    with s.scope():
+        model, opt = fg.build(cfg)
+    layouts, _ = s.variable_layouts(model)
+    block = layouts["layers"][0]
+    specs = {
+        "attn/q_einsum": block["attn"]["q_einsum"]["kernel"],  # [heads, d, head_dim]
+        "attn/kv_einsum": block["attn"]["kv_einsum"]["kernel"],  # [2, kv_heads, d, head_dim]
+        "attn/attn_vec_einsum": block["attn"]["attn_vec_einsum"]["kernel"],  # [heads, hd, d]
+        "mlp/gate_proj": block["mlp"]["gate_proj"]["kernel"],  # [d, hidden]
+        "mlp/down_proj": block["mlp"]["down_proj"]["kernel"],  # [hidden, d]
+        "embedder": layouts["embedder"]["embedding"],  # [vocab, d]
+    }
+    tensor_dim = {k: list(v.sharding_specs).index("tensor") for k, v in specs.items()}
+    assert tensor_dim == {
+        "attn/q_einsum": 0,
+        "attn/kv_einsum": 1,
+        "attn/attn_vec_einsum": 0,
+        "mlp/gate_proj": 1,
+        "mlp/down_proj": 0,
+        "embedder": 0,
+    }
+    assert all("fsdp" in v.sharding_specs for v in specs.values())
+    got = [float(s.run(fg.train_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    have = jax.device_get(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want_params), strict=True):
+        assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
+
+
+def test_flax_gemma_s_tensor_plan_all_reduces_activations_on_a_tpu_topology():
+    """The tensor axis is used, not only laid out: libtpu's program of the tiny model on
+    v5e:2x4 all-reduces each block's activations over ``tensor`` (attention out, MLP down),
+    forward and backward, and the weights Flax's layouts split (nothing else) take half
+    their bytes a chip (data=4 x tensor=2: no fsdp to split the rest)."""
+    import dtensor
+    from tests import signatures as sig
+
+    cfg = fg.config("tiny")
+    s = _tensor_strategy(4, 1, dtensor.tpu_topology("v5e:2x4"))
+    model, opt = nnx.eval_shape(lambda: fg.build(cfg))
+    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32) for k in ("x", "y")}
+    report = s.explain(fg.train_step, args=(model, opt, batch))
+    sig.assert_tensor(report.collectives, rows=8 // 4, seq=32, d_model=cfg.embed_dim, layers=2)
+    split = re.compile(r"(einsum|_proj)/kernel$|embedder/embedding$")
+    rows = 2 * (8 // 4) * 32 * 4  # x and y, int32, a data shard's rows
+    sig.assert_splits(report, {"tensor": 2}, lambda p: bool(split.search(p)), batch_bytes=rows)
 
 
 def test_module_dtype_computes_as_the_model_built_in_bf16():
@@ -145,3 +211,32 @@ def test_missing_or_unpinned_code_names_the_make_target(monkeypatch, tmp_path):
         third_party.MissingThirdParty, match=r"no sha256 pinned for the flax 0\.0\.1"
     ):
         third_party.fetch("0.0.1")
+
+
+def test_the_search_takes_flax_s_gemma_with_the_knobs_its_script_has():
+    """A model this project did not write: the search_facts hook's shapes (parameters counted
+    from the abstract model), its flags only (no scan, stages, context or experts: Flax's
+    blocks are a list) and bf16-compute for bf16 (its modules pin float32 arithmetic); a
+    tensor plan's command compiles for a TPU slice through Flax's own tensor layouts."""
+    from dtensor.tpu import aot
+    from dtensor.tpu.plans import ModelFacts, enumerate_plans, plan_from_argv
+
+    argv = ["--model-size", "tiny", "--batch-size", "8", "--seq-len", "32"]
+    facts = ModelFacts.from_dict(fg.search_facts(argv))
+    model, _ = nnx.eval_shape(lambda: fg.build(fg.config("tiny")))
+    assert facts.params == sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    plans = enumerate_plans(facts, chips=8)
+    assert {p.precision for p in plans} == {"none", "bf16-compute"}
+    assert {p.tensor for p in plans} == {1, 2}  # 4 heads, 2 KV heads
+    assert {(p.stage, p.context, p.expert, p.scan) for p in plans} == {(1, 1, 1, False)}
+    for p in plans:  # the script's parser takes every plan's flags, and they read back
+        fg.parse_args([*argv, *p.flags()])
+        assert plan_from_argv(p.flags(), chips=8) == p
+    hybrid = next(
+        p for p in plans if p.tensor == 2 and p.precision == "bf16-compute" and p.remat == "full"
+    )
+    assert "module_dtype=True" in hybrid.strategy_line()
+    result = aot.compile_script(ROOT / fg.__file__, [*argv, *hybrid.flags()], topology="v5e:2x4")
+    tensor = {v.path for v in result.report.variables if "tensor" in v.layout}  # the model: 0/
+    assert {"0/layers/0/attn/q_einsum/kernel", "0/layers/1/mlp/down_proj/kernel"} <= tensor
+    assert result.report.step_time_floor_seconds
