@@ -67,7 +67,9 @@ def run(
     def log(line: str) -> None:
         print("  " + line, flush=True)
 
-    rungs = ladder(BASE + PRESET)
+    # the rungs whose flags the script takes (its search_facts flags: no --scan)
+    taken = set(_script_flags())
+    rungs = [r for r in ladder(BASE + PRESET) if all(f in taken for f in r.flags if f[:2] == "--")]
     print(f"--fit from {' '.join(PRESET)} on {TOPOLOGY}:", flush=True)
     if first_fit:  # stop at the first rung that fits (not the faster rungs after it)
         rungs = [r for r in rungs if not r.faster_than_previous]
@@ -89,6 +91,12 @@ def run(
             "command": chosen.command(),
         },
     }
+
+
+def _script_flags() -> tuple[str, ...]:
+    from dtensor.tpu.scripts import load_script
+
+    return tuple(load_script(ROOT / SCRIPT).SEARCH_FLAGS)
 
 
 def _row(entry: dict[str, Any]) -> dict[str, Any]:

@@ -209,4 +209,7 @@ class StepOptions(VariableRules):
             # runs each device's experts where they are.
             kept_axes=self.kept_axes if self.expert > 1 else None,
             layer_gather_axes=(_C,) if self.context > 1 else (),
+            # Without remat=, each layer of a scanned stack keeps the batch (and context's
+            # sequence) split all the same; a pipeline's stages run their own layers.
+            layer_batch_split=not gather and not self.remat and self.stage == 1,
         )

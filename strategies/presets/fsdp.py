@@ -177,4 +177,6 @@ class FullyShardedStrategy(Strategy):
             mixed_precision=self.mixed_precision,
             batch_axes=() if self.gather_at_read else self.batch_axes,
             layer_gather=self.gather_layers,
+            # ... and without remat= each layer of a scanned stack keeps the batch split too
+            layer_batch_split=not self.gather_at_read and not self.remat,
         )

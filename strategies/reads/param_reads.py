@@ -82,6 +82,11 @@ class ReadOptions:
     # sublayers holding weights split over the rest gather the sequence over them (inside
     # the recomputation) and split their outputs again (``swaps.swap_entry``); ``None``: all.
     layer_sequence_axes: tuple[str, ...] | None = None
+    # Under XLA's plan without ``remat=``: every module (with variables) is swapped so that a
+    # call of one layer of a stacked module (inside a scan) keeps its batch-shaped inputs and
+    # outputs split over ``batch_axes`` (the sequence over ``layer_sequence_axes``), as the
+    # ``remat=`` blocks' are (``swaps._layer_call``).
+    layer_batch_split: bool = False
     # Under ``layer_gather``: the mesh axes a variable's layer reads keep split, by its path
     # (``"a/b/c"``); HybridStrategy's expert stacks keep ``expert``.
     kept_axes: Callable[[str], tuple[str, ...]] | None = None
@@ -93,7 +98,13 @@ class ReadOptions:
     @property
     def active(self) -> bool:
         """Whether anything changes in the trace."""
-        return bool(self.gather or self.reshard_after_forward or self.remat or self.mixed_precision)
+        return bool(
+            self.gather
+            or self.reshard_after_forward
+            or self.remat
+            or self.mixed_precision
+            or self.layer_batch_split
+        )
 
 
 def trace_reads(
@@ -386,6 +397,13 @@ def _swap_modules(
             rematted.append(path)
         if named:
             layers.add(path)
+    if options.layer_batch_split and options.batch_axes and not options.remat:
+        sequence = tuple(options.layer_sequence_axes or ())
+        for path, module in modules.items():
+            if swaps.swapped_base(type(module)) is type(module) and swaps.owns_variables(module):
+                swaps.swap_call(
+                    module, remat=False, batch_axes=options.batch_axes, sequence_axes=sequence
+                )
     # Sequence parallelism: each named layer's sublayers (its child modules) whose weights are
     # split over the sequence axes (a Megatron rule's ``tensor``) take their inputs gathered
     # along the sequence over those, and split their outputs again; the rest (the norms) run
