@@ -399,7 +399,7 @@ def _swap_modules(
             layers.add(path)
     if options.layer_batch_split and options.batch_axes and not options.remat:
         sequence = tuple(options.layer_sequence_axes or ())
-        for path, module in modules.items():
+        for module in modules.values():
             if swaps.swapped_base(type(module)) is type(module) and swaps.owns_variables(module):
                 swaps.swap_call(
                     module, remat=False, batch_axes=options.batch_axes, sequence_axes=sequence
