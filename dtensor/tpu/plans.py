@@ -124,9 +124,10 @@ class Plan:
     ``preset`` is the script's ``--strategy`` (``"hybrid"``; ``"fully_sharded"`` and others
     come from :func:`plan_from_argv`). ``precision`` is ``"none"`` (float32), ``"bf16"``
     (float32 master variables, bfloat16 reads) or ``"bf16-compute"`` (and each module's
-    computation dtype set to bfloat16: ``MixedPrecision(module_dtype=True)``); ``remat`` ``"none"``, ``"full"`` (keep only
-    block inputs) or a ``jax.checkpoint_policies`` name; ``reshard`` ``False`` keeps the
-    gathered weights from the forward pass for the backward one.
+    computation dtype set to bfloat16: ``MixedPrecision(module_dtype=True)``); ``remat``
+    ``"none"``, ``"full"`` (keep only block inputs) or a ``jax.checkpoint_policies`` name;
+    ``reshard`` ``False`` keeps the gathered weights from the forward pass for the backward
+    one.
     """
 
     data: int = 1

@@ -272,11 +272,12 @@ def _layer_call(
     first = next((x for x in leaves if _is_array(x) and np.ndim(x) >= 2), None)
     rows = None if first is None else int(np.shape(first)[0])
     args, kwargs = _batch_split((args, kwargs), batch_axes, rows, sequence_axes)
+    saved = getattr(_local, "layer", False)
     _local.layer = True  # its submodules (sliced too) are not layers of their own
     try:
         out = inner(module, *args, **kwargs)
     finally:
-        _local.layer = False
+        _local.layer = saved
     return _batch_split(out, batch_axes, rows, sequence_axes)
 
 
