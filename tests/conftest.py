@@ -162,6 +162,11 @@ EXTENDED = {
     "[data2-fsdp2-expert2]": "variant",
     "tests/test_experts.py::test_moe_decoder_trains_under_hybrid_expert_as_on_one_device"
     "[fsdp2-expert4-scan-remat]": "variant",
+    # scanned layers batch-split without remat: the fully sharded program stays in make test
+    "tests/test_decoder.py::test_scanned_layers_keep_the_batch_split_without_remat_on_a_tpu"
+    "_topology[hybrid]": "variant",
+    "tests/test_decoder.py::test_scanned_layers_without_remat_train_under_xla_plan_as_on_one"
+    "_device": "variant",
 }
 # Context attention: the two meshes (context=4; context=2 x fsdp=2 x tensor=2) stay in
 # make test, data=2 x fsdp=2 x context=2 runs in make test-extended.
