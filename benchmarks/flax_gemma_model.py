@@ -91,14 +91,15 @@ def tensor_rules(axis: str = "tensor") -> list[tuple[str, tuple[Any, ...]]]:
     return [(path, only_tensor(spec)) for path, spec in where.items()]
 
 
-def build(cfg: Any, *, seed: int = 0, lr: float = 1e-3) -> tuple[Any, Any]:
-    """Flax's ``Transformer`` and an AdamW ``nnx.Optimizer`` over its params."""
+def build(cfg: Any, *, seed: int = 0, lr: float = 1e-3, eps: float = 1e-8) -> tuple[Any, Any]:
+    """Flax's ``Transformer`` and an AdamW ``nnx.Optimizer`` over its params (``eps``:
+    AdamW's; the equality tests take 1e-3, so a gradient's scale shows in the update)."""
     import optax
     from flax import nnx
 
     transformer, _, _ = flax_gemma()
     model = transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
-    return model, nnx.Optimizer(model, optax.adamw(lr, weight_decay=0.01), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optax.adamw(lr, eps=eps, weight_decay=0.01), wrt=nnx.Param)
 
 
 def loss_fn(model: Any, batch: dict[str, Any]) -> Any:

@@ -244,10 +244,10 @@ def test_scanned_layers_without_remat_train_under_xla_plan_as_on_one_device():
     single-device ones."""
     cfg = CONFIGS["tiny"].replace(scan=True)
     batches = _batches(cfg)
-    want, _ = _reference(cfg, batches)
+    want, _ = _reference(cfg, batches, eps=1e-3)  # Adam that sees a gradient's scale
     s = strategies.FullyShardedStrategy(min_shard_bytes=0, gather_at_read=False)
     with s.scope():
-        model, opt = _build(cfg)
+        model, opt = _build(cfg, eps=1e-3)
     got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
