@@ -67,8 +67,10 @@ def run(
     def log(line: str) -> None:
         print("  " + line, flush=True)
 
+    from .flax_gemma_model import SEARCH_FLAGS
+
     # the rungs whose flags the script takes (its search_facts flags: no --scan)
-    taken = set(_script_flags())
+    taken = set(SEARCH_FLAGS)
     rungs = [r for r in ladder(BASE + PRESET) if all(f in taken for f in r.flags if f[:2] == "--")]
     print(f"--fit from {' '.join(PRESET)} on {TOPOLOGY}:", flush=True)
     if first_fit:  # stop at the first rung that fits (not the faster rungs after it)
@@ -91,12 +93,6 @@ def run(
             "command": chosen.command(),
         },
     }
-
-
-def _script_flags() -> tuple[str, ...]:
-    from dtensor.tpu.scripts import load_script
-
-    return tuple(load_script(ROOT / SCRIPT).SEARCH_FLAGS)
 
 
 def _row(entry: dict[str, Any]) -> dict[str, Any]:
