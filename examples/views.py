@@ -63,7 +63,9 @@ def plot_losses(losses: list[tuple[int, float]], path, title: str) -> None:
 def generate(model, prompt: str, chars: int, seq: int, seed: int, *, encode, decode) -> str:
     """Sample from a host copy of the model (one device), a window of ``seq`` chars at a time.
 
-    ``encode``/``decode`` turn text into the model's tokens and back.
+    ``encode``/``decode`` turn text into the model's tokens and back. Every process calls it:
+    with several processes the variables span devices another process owns, so each process
+    gathers the whole model first (a collective), then samples on its own.
     """
     import jax
     import jax.numpy as jnp
@@ -71,6 +73,10 @@ def generate(model, prompt: str, chars: int, seq: int, seed: int, *, encode, dec
     from flax import nnx
 
     graphdef, state = nnx.split(model)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        state = multihost_utils.process_allgather(state, tiled=True)
     host = nnx.merge(graphdef, jax.device_get(state))
 
     @nnx.jit

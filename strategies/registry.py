@@ -48,7 +48,10 @@ def _layout(devices: Sequence[Any]) -> Strategy:
 
 
 _PRESETS: dict[str, tuple[str, Callable[[Sequence[Any]], Strategy]]] = {
-    "one_device": ("everything on one device", lambda d: OneDeviceStrategy(d[0])),
+    "one_device": (
+        "everything on one device (one per process in a job of several)",
+        lambda d: OneDeviceStrategy(devices=d),
+    ),
     "mirrored": ("replicated variables, batch split (one host)", lambda d: MirroredStrategy(d)),
     "multi_worker_mirrored": (
         "replicated variables, batch split over all processes",

@@ -45,6 +45,16 @@ def relayout_plain(x: Any, layout: Layout, *, name: str = "array") -> Any:
         return copy_to_mesh(x, layout, name=name)
     if x.is_fully_addressable and layout.mesh.is_multi_process is False:
         return jax.device_put(x, layout.sharding)
+    if x.sharding.is_equivalent_to(layout.sharding, x.ndim):
+        return x
+    if (
+        x.is_fully_replicated
+        and x.addressable_shards
+        and x.sharding.device_set != layout.sharding.device_set
+    ):
+        # Onto other devices in a job of several processes (a jit cannot move between device
+        # sets there): every process holds the whole value, so each places its own blocks.
+        return copy_to_mesh(np.asarray(x.addressable_data(0)), layout, name=name)
     return _reshard_jit(layout.sharding)(x)
 
 

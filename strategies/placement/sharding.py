@@ -10,7 +10,7 @@ import numpy as np
 
 from dtensor.core.tree import leaf_value
 
-__all__ = ["nbytes", "shard_largest_dim"]
+__all__ = ["nbytes", "one_device_per_process", "shard_largest_dim"]
 
 
 def shard_largest_dim(
@@ -53,3 +53,22 @@ def nbytes(leaf: Any) -> int:
     """
     value = leaf_value(leaf)
     return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
+
+
+def one_device_per_process(devices: Sequence[Any]) -> list[Any]:
+    """The first of ``devices`` on each process that has one, in process order.
+
+    What a single-device role (OneDevice's device, CentralStorage's parameter device)
+    becomes in a job of several processes: every process runs the step, so each needs
+    a device of its own in it.
+
+    Examples:
+        >>> import jax
+        >>> from strategies.placement.sharding import one_device_per_process
+        >>> one_device_per_process(jax.devices()) == [jax.devices()[0]]   # one process
+        True
+    """
+    firsts: dict[int, Any] = {}
+    for d in devices:
+        firsts.setdefault(d.process_index, d)
+    return [firsts[p] for p in sorted(firsts)]

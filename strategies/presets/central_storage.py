@@ -12,6 +12,7 @@ import dtensor
 from dtensor import Layout
 from dtensor.core.tree import leaf_value
 from strategies.base import Strategy
+from strategies.placement.sharding import one_device_per_process
 from strategies.reads.mixed_precision import MixedPrecision
 from strategies.reads.offload import HOST_MEMORY, has_host_memory
 
@@ -22,7 +23,9 @@ class CentralStorageStrategy(Strategy):
     """Variables kept once, on ``parameter_device``; each step copies them to the
     compute devices, runs data-parallel, and stores the update back.
 
-    ``parameter_device`` defaults to the first compute device. In a step on
+    ``parameter_device`` defaults to the first compute device; in a job of several
+    processes (all of which run the step) to each process's first, the copy kept once
+    per process as TensorFlow keeps it once per worker. In a step on
     Flax NNX modules the single copy is kept in that device's host memory
     (``memory_kind="pinned_host"``) between steps, where the platform has
     one (else in its device memory); functional (pytree) variables stay in
@@ -53,8 +56,17 @@ class CentralStorageStrategy(Strategy):
             )
         compute_devices = compute_devices if compute_devices is not None else devices
         compute = list(compute_devices) if compute_devices is not None else jax.local_devices()
-        self.parameter_device = parameter_device if parameter_device is not None else compute[0]
-        self._storage_mesh = dtensor.create_mesh([("device", 1)], devices=[self.parameter_device])
+        if parameter_device is not None:
+            storage = [parameter_device]
+        elif jax.process_count() > 1:
+            # Every process of a job runs the step: the one copy is kept once per process
+            # (on each one's first compute device), as TensorFlow keeps it once per worker.
+            storage = one_device_per_process(compute)
+        else:
+            storage = compute[:1]
+        mine = [d for d in storage if d.process_index == jax.process_index()]
+        self.parameter_device = mine[0] if mine else storage[0]
+        self._storage_mesh = dtensor.create_mesh([("device", len(storage))], devices=storage)
         super().__init__(
             dtensor.create_mesh([("replica", len(compute))], devices=compute),
             batch_axes=("replica",),

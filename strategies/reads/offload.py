@@ -61,7 +61,9 @@ def _memories(device: Any) -> list[Any]:
 def to_host(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` laid out as ``sharding`` in host memory (through one device-memory copy)."""
     device = sharding.with_memory_kind("device")
-    if x.sharding != device:
+    if _across_device_sets(x, device):
+        x = _placed_by_each_process(x, device)
+    elif x.sharding != device:
         x = jax.device_put(x, device)  # a direct move between meshes and memories fails
     return jax.device_put(x, sharding.with_memory_kind(HOST_MEMORY))
 
@@ -70,4 +72,25 @@ def to_device(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` (in host memory) laid out as ``sharding`` in device memory."""
     if x.sharding.memory_kind != "device":
         x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+    if _across_device_sets(x, sharding):
+        return _placed_by_each_process(x, sharding.with_memory_kind("device"))
     return jax.device_put(x, sharding.with_memory_kind("device"))
+
+
+def _across_device_sets(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    """A move between device sets in a job of several processes: ``device_put`` cannot
+    make it (JAX reshards across hosts only within one device set)."""
+    return (
+        not x.is_fully_addressable
+        and x.is_fully_replicated
+        and bool(x.addressable_shards)
+        and x.sharding.device_set != sharding.device_set
+    )
+
+
+def _placed_by_each_process(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A replicated ``x`` onto ``sharding``: each process places its own blocks from its copy."""
+    import numpy as np
+
+    local = np.asarray(x.addressable_data(0))
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: local[index])
