@@ -1,7 +1,8 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
 coordinator, checkpoint_verify, safetensors_load, tpu_presets, gpu_presets, fsdp_scale,
 flax_gemma, experts, long_context and pipeline (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
-extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv).
+extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv), search
+(run by hand: ``python -m benchmarks.search --rows ...``).
 
     python -m benchmarks.run_all [--quick] [--out DIR]
 

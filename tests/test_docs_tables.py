@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fsdp_scale, tpu_presets
+from benchmarks import fsdp_scale, search, tpu_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -86,6 +86,14 @@ def test_maxtext_side_by_side_is_fsdp_scale_json(capsys, doc):
 def test_readme_tpu_fsdp_table_is_fsdp_scale_json(capsys):
     table = _printed(capsys, fsdp_scale.main, ["--markdown", "v5e:4x4"])
     _assert_shown("docs/guides/large_models.md", table)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/guides/large_models.md"])
+def test_search_table_is_search_json(capsys, doc):
+    """The README's "How it compares" and the large-models guide show the search's table."""
+    table = _printed(capsys, search.main, ["--markdown"])
+    assert table[0].startswith("| model | topology | within | the search's choice |")
+    _assert_shown(doc, table)
 
 
 # Result rows written before the benchmarks recorded libtpu's version per row: they carry no
