@@ -12,10 +12,23 @@ VENV_LATEST ?= .venv-latest
 LATEST_PY ?= $(shell .ci/newest-python)
 NEWEST := jax jaxlib flax optax orbax-checkpoint
 
+# The oldest end of the supported range, which make test runs (the `dev` extra pins the same).
+OLDEST := jax==0.10.2 jaxlib==0.10.2
+
+# make test's: everything the suite needs (the `dev` extra: libtpu, JAX's CUDA wheels for GPU
+# compiles without a GPU, the docs and packaging tools...). It holds the demo's needs too.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	touch $@ $(VENV)/.installed-demo
+
+# make demo's: the package (jax for CPU, flax, optax, orbax, rich) and the `demo` extra (Grain
+# for the input pipeline, matplotlib for the loss curve); nothing for TPUs, GPUs or tests.
+$(VENV)/.installed-demo: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[demo]' $(OLDEST)
 	touch $@
 
 install: $(VENV)/.installed
@@ -59,7 +72,7 @@ lint: install
 	$(VENV)/bin/pyright
 	$(VENV)/bin/lint-imports
 
-demo: install
+demo: $(VENV)/.installed-demo
 	$(PY) examples/train.py $(ARGS)
 
 bench: install third-party

@@ -124,6 +124,10 @@ EXTENDED = {
     "tests/test_decoder.py::test_preset_mixed_precision_and_remat_compute_in_bf16_like_the_bf16"
     "_decoder[False]": "variant",
     # minutes of compiles or processes on one path
+    "tests/multiprocess/test_example_presets.py::test_every_preset_runs_the_example_to_its_end"
+    "_on_2_processes": "minutes",
+    "tests/multiprocess/test_example_presets.py::test_fine_tuning_from_a_hugging_face_checkpoint"
+    "_on_2_processes": "minutes",
     "tests/test_fit.py::test_fit_finds_the_cheapest_fitting_options_and_caches_them": "minutes",
     "tests/strategies/test_step_cache.py::test_300_runs_with_fresh_lambdas_keep_memory_bounded"
     "_and_warn_once": "repetitions",

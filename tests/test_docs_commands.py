@@ -145,3 +145,49 @@ def test_makefile_runs_the_newest_check_before_the_latest_suite():
     recipe = (ROOT / "Makefile").read_text().split("\ntest-latest:")[1].split("\n\n")[0]
     check = recipe.index(".ci/check_newest.py $(NEWEST)")
     assert check < recipe.index("-m pytest")
+
+
+def _requirements(extra: str | None = None) -> list[str]:
+    """The distribution's requirements (an extra's with its own extras expanded), by name."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found, todo = [], list(project["dependencies"] if extra is None else [f"jax-dtensor[{extra}]"])
+    while todo:
+        req = todo.pop()
+        name, extras = re.match(r"([A-Za-z0-9_.-]+)(?:\[([^\]]+)\])?", req).groups()
+        if name == "jax-dtensor":
+            for e in extras.split(","):
+                todo += project["optional-dependencies"][e.strip()]
+        else:
+            found.append(req)
+    return found
+
+
+def test_make_demo_installs_the_package_and_its_demo_extra_only(tmp_path):
+    """``make demo`` from a fresh clone: no libtpu, no CUDA wheels, no test tools."""
+    venv = tmp_path / "venv"
+    plan = subprocess.run(
+        ["make", "-n", "-B", "demo", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert plan.returncode == 0, plan.stderr
+    installs = [line for line in plan.stdout.splitlines() if "pip install" in line]
+    assert any("-e '.[demo]'" in line for line in installs), plan.stdout
+    assert not any("[dev]" in line or "[test]" in line for line in installs), plan.stdout
+    demo = _requirements("demo") + _requirements()
+    heavy = ("libtpu", "jax[tpu]", "jax[cuda", "nvidia", "pytest", "sphinx", "tensorflow", "keras")
+    assert not [r for r in demo if r.lower().startswith(heavy)], demo
+    # The demo's needs are in make test's install too (one .venv serves both).
+    dev = _requirements("dev")
+    assert {r.split(">")[0] for r in _requirements("demo")} <= {r.split(">")[0] for r in dev}
+
+
+def test_the_base_package_has_no_platform_only_requirement():
+    """``pip install jax-dtensor`` works on Linux, macOS and Windows alike: each base
+    requirement is a name with wheels for all three (checked by hand with ``pip download
+    --platform``), without extras or environment markers that pick a platform."""
+    base = _requirements()
+    names = {r.split(">")[0].split("=")[0].split("<")[0] for r in base}
+    assert names == {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "rich"}
+    assert not [r for r in base if "[" in r or ";" in r], base
