@@ -128,6 +128,11 @@ EXTENDED = {
     "_on_2_processes": "minutes",
     "tests/multiprocess/test_example_presets.py::test_fine_tuning_from_a_hugging_face_checkpoint"
     "_on_2_processes": "minutes",
+    # the single-device presets across processes (one device each); fully_sharded stays
+    "tests/multiprocess/test_strategies_multiprocess.py::test_preset_across_processes_matches"
+    "_single_process[one_device-per_process-2-2]": "variant",
+    "tests/multiprocess/test_strategies_multiprocess.py::test_preset_across_processes_matches"
+    "_single_process[central_storage-global-2-2]": "variant",
     "tests/test_fit.py::test_fit_finds_the_cheapest_fitting_options_and_caches_them": "minutes",
     "tests/strategies/test_step_cache.py::test_300_runs_with_fresh_lambdas_keep_memory_bounded"
     "_and_warn_once": "repetitions",

@@ -34,6 +34,9 @@ def _reference():
         ("multi_worker_mirrored", "global", 2, 2),
         ("multi_worker_mirrored", "per_process", 4, 1),
         ("fully_sharded", "per_process", 2, 2),
+        # one device (and one central copy) per process: every process runs the step
+        ("one_device", "per_process", 2, 2),
+        ("central_storage", "global", 2, 2),
     ],
 )
 def test_preset_across_processes_matches_single_process(preset, feed, processes, devices):
@@ -43,9 +46,14 @@ def test_preset_across_processes_matches_single_process(preset, feed, processes,
     )
     outs = expect_ok(result, processes)
     for out in outs:
-        assert out["replicas"] == processes * devices
+        assert out["replicas"] == (processes if preset == "one_device" else processes * devices)
         np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
         for path, want in ref_params.items():
             assert rel_err(np.asarray(out["params"][path]), want) <= 1e-5, (out["rank"], path)
+    if preset == "one_device":
+        assert outs[0]["mesh"] == "Mesh(device=2)"
+        for out in outs:
+            assert "names a device of process" in out["refused"], out["refused"]
+            assert "Leave device= out for one device per process" in out["refused"]
     if preset == "multi_worker_mirrored":
         assert outs[0]["mesh"] == f"Mesh(worker={processes}, replica={devices})"

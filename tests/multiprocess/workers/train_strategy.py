@@ -49,6 +49,13 @@ def main() -> None:
         ).tolist()
         for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
     }
+    refused = None
+    if preset == "one_device":  # a device of another process: every process runs the step
+        other = next(d for d in jax.devices() if d.process_index != jax.process_index())
+        try:
+            strategies.OneDeviceStrategy(other)
+        except ValueError as e:
+            refused = str(e)
     print(
         "RESULT "
         + json.dumps(
@@ -58,6 +65,7 @@ def main() -> None:
                 "replicas": strategy.num_replicas_in_sync,
                 "losses": losses,
                 "params": params,
+                "refused": refused,
             }
         ),
         flush=True,
