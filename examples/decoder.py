@@ -373,5 +373,6 @@ def from_hf_config(path_or_dict: Any, **changes: Any) -> DecoderConfig:
 
 def hf_mapping(cfg: DecoderConfig, **options: Any) -> Any:
     """The :class:`dtensor.checkpoint.Mapping` between ``cfg``'s Hugging Face tensor names and
-    this decoder's paths: see ``examples/hf.py``."""
+    this decoder's paths (``load_dtype=``, ``save_dtype=``): see ``examples/hf.py``. Only
+    lossless float widening (bfloat16/float16 -> float32) loads without ``load_dtype``."""
     return _hf().hf_mapping(cfg, **options)

@@ -9,7 +9,7 @@ and the decoder's paths; :func:`to_hf_config` writes the ``config.json`` back;
     >>> from examples.hf import from_hf_config, hf_mapping
     >>> cfg = from_hf_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
     ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    ...     "num_key_value_heads": 2, "rms_norm_eps": 1e-5})
+    ...     "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "hidden_act": "silu"})
     >>> cfg.block, cfg.head_dim, cfg.norm_eps
     ('llama', 16, 1e-05)
     >>> hf_mapping(cfg).source("blocks/1/attn/query").names
@@ -28,7 +28,7 @@ from typing import Any
 
 from dtensor.checkpoint import Mapping, Rule, astype, split_dim, transpose
 
-__all__ = ["flax_gemma_mapping", "from_hf_config", "hf_mapping", "to_hf_config"]
+__all__ = ["flax_gemma_mapping", "from_hf_config", "hf_mapping", "save_hf_folder", "to_hf_config"]
 
 ARCHITECTURES = ("llama", "mistral", "mixtral", "gemma", "gemma3_text")
 
@@ -143,16 +143,20 @@ def _layer(cfg: Any) -> tuple[str, str]:
     return "model.layers.{i}.", ("layers/" if cfg.scan else "blocks/{i}/")
 
 
-def hf_mapping(cfg: Any, *, save_dtype: Any = None) -> Mapping:
+def hf_mapping(cfg: Any, *, load_dtype: Any = None, save_dtype: Any = None) -> Mapping:
     """The Hugging Face names of ``cfg``'s architecture <-> :class:`Decoder` paths.
 
-    Loading casts every tensor to the model's dtype (a bfloat16 checkpoint into float32
-    master weights); saving writes the model's dtype, or ``save_dtype``. A Llama checkpoint
-    without ``lm_head.weight`` (its ``config.json`` ties the head, as Llama 3.2 1B's) fills
-    the decoder's own ``head`` from the embedding; a save writes ``lm_head.weight``.
+    Loading widens float tensors to the model's dtype where no value changes (a bfloat16 or
+    float16 checkpoint into float32 master weights) and refuses any other dtype, naming the
+    tensor, its file and both dtypes (an ``int32``, ``uint8`` or ``bool`` tensor is not a
+    weight to read as float32; a float32 one into bfloat16 weights loses bits):
+    ``load_dtype`` (e.g. ``"bfloat16"``) asks for the cast to it, whatever is stored.
+    Saving writes the model's dtype, or ``save_dtype``. A Llama checkpoint without
+    ``lm_head.weight`` (its ``config.json`` ties the head, as Llama 3.2 1B's) fills the
+    decoder's own ``head`` from the embedding; a save writes ``lm_head.weight``.
     """
     ck, at = _layer(cfg)
-    cast = astype(saved=save_dtype)
+    cast = astype(load_dtype, saved=save_dtype)
     h, k = cfg.heads, cfg.kv_heads
     rules: list[Any] = [
         Rule("model.embed_tokens.weight", "embed", cast),
@@ -263,15 +267,46 @@ def to_hf_config(cfg: Any, *, dtype: str = "float32") -> dict[str, Any]:
     return out
 
 
-def flax_gemma_mapping(config: Any, *, save_dtype: Any = None) -> Mapping:
+def save_hf_folder(
+    path: Any, model: Any, cfg: Any, *, like: Any = None, max_shard_size: int | str = "5GB"
+) -> str:
+    """Write ``model`` (a ``Decoder`` of ``cfg``, laid out in any way) as a Hugging Face model
+    folder that ``transformers``' ``from_pretrained`` reads: ``config.json``, the safetensors
+    files and their index; returns the index's (or the one file's) path.
+
+    ``like``: the folder (or ``config.json``) the model was loaded from; its ``config.json``
+    is written again with every field kept (token ids, RoPE scaling...), but the dtype the
+    weights are saved in and the head untied where the decoder's is (a tied Llama's head is
+    trained on its own here). Without it: :func:`to_hf_config`. Every process calls it (a
+    collective: :func:`dtensor.checkpoint.save_safetensors`, which writes beside an existing
+    folder and swaps the new one in whole, config and weights together).
+    """
+    import numpy as np
+
+    from dtensor.checkpoint import save_safetensors
+
+    dtype = np.dtype(cfg.param_dtype).name
+    config = _read(like) if like is not None else to_hf_config(cfg, dtype=dtype)
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    config.update({k: dtype for k in keys}, tie_word_embeddings=bool(cfg.tied))
+    return save_safetensors(
+        path,
+        model,
+        mapping=hf_mapping(cfg),
+        max_shard_size=max_shard_size,
+        extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"},
+    )
+
+
+def flax_gemma_mapping(config: Any, *, load_dtype: Any = None, save_dtype: Any = None) -> Mapping:
     """Hugging Face Gemma names <-> Flax's ``examples/gemma`` ``Transformer`` (its
     ``TransformerConfig``): ``q_einsum [heads, d, head_dim]``, ``kv_einsum [2, kv_heads, d,
     head_dim]`` (or ``qkv_einsum [3, ...]`` when the head counts are equal), ``attn_vec_einsum
     [heads, head_dim, d]``, ``nnx.Linear`` MLP kernels ``[in, out]``. Gemma 2/3's four norms
-    a layer when ``use_post_attn_norm``, else Gemma 1's two."""
+    a layer when ``use_post_attn_norm``, else Gemma 1's two. Dtypes as :func:`hf_mapping`'s."""
     h, k = config.num_heads, config.num_kv_heads
     ck, at = "model.layers.{i}.", "layers/{i}/"
-    cast = astype(saved=save_dtype)
+    cast = astype(load_dtype, saved=save_dtype)
     heads = (split_dim(0, (h, -1)), transpose(0, 2, 1))  # [h*hd, d] -> [h, d, hd]
     kv = (split_dim(0, (k, -1)), transpose(0, 2, 1))
     rules: list[Any] = [

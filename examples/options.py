@@ -225,6 +225,15 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         "character-level model: examples/decoder.py built from its config, each process "
         "reading only its slices of the weights",
     )
+    p.add_argument(
+        "--export-hf",
+        metavar="DIR",
+        help="with --init-from: after training, write the fine-tuned model into DIR as a "
+        "Hugging Face folder (config.json: --init-from's architecture, float32; safetensors "
+        "files and their index), which transformers' from_pretrained reads; local or gs://, "
+        "written beside an existing DIR and swapped in whole. The character-level demo model "
+        "has no Hugging Face architecture, so without --init-from it is refused",
+    )
     return p.parse_args(argv)
 
 

@@ -18,7 +18,17 @@ running again resumes all three), a loss curve and a generated sample.
 ``--init-from PATH`` fine-tunes a pretrained Hugging Face checkpoint (``config.json`` and
 ``*.safetensors``, a local folder or ``gs://``) instead: ``examples/decoder.py`` built from
 its config in the preset's layouts, each process reading only its slices of the weights
-(its vocabulary must cover the corpus's 128 ASCII codes).
+(its vocabulary must cover the corpus's 128 ASCII codes). ``--export-hf DIR`` then writes
+the fine-tuned model back as a Hugging Face folder (``config.json`` of PATH's architecture,
+float32 safetensors files and their index) that ``transformers``' ``from_pretrained`` reads;
+every process takes part (on several hosts, DIR is a bucket or a shared file system):
+
+    python -m dtensor.launch -n 2 -- python examples/train.py --strategy fully_sharded \
+        --init-from PATH --export-hf DIR
+
+The character-level model (without ``--init-from``) has no Hugging Face architecture:
+``--export-hf`` without ``--init-from`` is refused before anything runs (its weights are in
+the run's checkpoints, ``--out``).
 
 ``--out`` takes a directory or a bucket URL: with ``--out gs://BUCKET/run``
 the checkpoints, the loss curve and ``results.json`` live in the bucket (try it
@@ -213,6 +223,15 @@ def search_facts(argv: list[str]) -> dict:
 # ----------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.export_hf and not args.init_from:
+        print(
+            f"--export-hf {args.export_hf}: the character-level demo model has no Hugging Face "
+            "architecture (transformers has no class for it), so it cannot be written as a "
+            "Hugging Face folder. Fine-tune a Hugging Face checkpoint with --init-from PATH "
+            "--export-hf DIR; the demo model's weights are in the run's checkpoints (--out).",
+            file=sys.stderr,
+        )
+        return 2
     import jax
 
     from dtensor.runtime.platform import default_platforms
@@ -411,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, completed=step + 1)
     handler.save()
     handler.close()
+    if args.export_hf:  # every process: the save is a collective
+        written = sibling("hf").save_hf_folder(
+            args.export_hf, model, pretrained, like=args.init_from
+        )
+        console.print(
+            f"wrote the fine-tuned model as a Hugging Face folder: {args.export_hf} "
+            f"(config.json, {os.path.basename(written)})"
+        )
 
     if losses and jax.process_index() == 0:
         png = run_dir / "loss.png"
@@ -444,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_bytes_per_device": report.state_bytes_per_device,
             "checkpoints": str(ckpt_dir),
             "init_from": args.init_from,
+            "export_hf": args.export_hf,
             "sample": sample,
         }
         (run_dir / "results.json").write_text(json.dumps(summary, sort_keys=True, indent=1))

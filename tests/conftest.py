@@ -128,6 +128,8 @@ EXTENDED = {
     "_on_2_processes": "minutes",
     "tests/multiprocess/test_example_presets.py::test_fine_tuning_from_a_hugging_face_checkpoint"
     "_on_2_processes": "minutes",
+    "tests/multiprocess/test_safetensors_multiprocess.py::test_train_py_exports_a_hugging_face"
+    "_folder_from_two_processes": "minutes",
     # the single-device presets across processes (one device each); fully_sharded stays
     "tests/multiprocess/test_strategies_multiprocess.py::test_preset_across_processes_matches"
     "_single_process[one_device-per_process-2-2]": "variant",

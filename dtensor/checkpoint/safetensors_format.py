@@ -35,6 +35,7 @@ __all__ = [
     "dtype_code",
     "header_bytes",
     "read_header",
+    "torch_error",
 ]
 
 #: safetensors' dtype codes.
@@ -124,22 +125,73 @@ def _bad(file: str, what: str) -> CheckpointError:
     )
 
 
+def torch_error(file: str, what: str) -> CheckpointError:
+    """The error for a PyTorch ``torch.save`` file (``pytorch_model.bin``) given as safetensors."""
+    return CheckpointError(
+        f"{file!r} is {what}: a PyTorch pickle checkpoint (torch.save, as pytorch_model.bin), "
+        "not safetensors; it is not read here (unpickling runs code). Convert it to "
+        "safetensors where torch is installed: `from safetensors.torch import save_file; "
+        "save_file(torch.load(PATH, map_location='cpu'), 'model.safetensors')` (or "
+        "transformers' from_pretrained(DIR).save_pretrained(OUT)), or download the "
+        "repository's .safetensors files, and pass those."
+    )
+
+
+def _torch_kind(raw: bytes) -> str | None:
+    """What kind of ``torch.save`` file starts with ``raw`` (None: not one)."""
+    if raw[:4] == b"PK\x03\x04":
+        return "a zip archive"
+    if (
+        len(raw) >= 2 and raw[0] == 0x80 and 2 <= raw[1] <= 5
+    ):  # a pickle's PROTO opcode: torch's legacy format
+        return "a Python pickle"
+    return None
+
+
+def _check_offsets(file: str, entries: list[tuple[str, int, int]], data: int) -> None:
+    """The tensors' byte ranges tile the data exactly, as the ``safetensors`` library requires:
+    in order, each starting where the one before ends, the last ending at the file's end."""
+    at, prev = 0, None
+    for name, begin, end in sorted(entries, key=lambda e: (e[1], e[2])):
+        if begin != at:
+            was = f"tensor {prev[0]!r} (bytes {prev[1]}-{prev[2]})" if prev else "the data's start"
+            how = "overlap" if begin < at else f"leave {begin - at} bytes between them"
+            raise CheckpointError(
+                f"safetensors file {file!r} has an invalid offset: {was} and tensor {name!r} "
+                f"(bytes {begin}-{end}) {how}; in a valid file each tensor starts where the one "
+                "before it ends (the safetensors library refuses it too). The file was damaged or "
+                "not written by a safetensors writer: download or write it again."
+            )
+        at, prev = end, (name, begin, end)
+    if at != data:
+        raise CheckpointError(
+            f"safetensors file {file!r} has {data} bytes of data after its header, but its "
+            f"tensors cover {at}; in a valid file they cover all of it (the safetensors library "
+            "refuses it too). The file was damaged or appended to: download or write it again."
+        )
+
+
 def read_header(path: Any, file: str) -> tuple[dict[str, Entry], dict[str, str]]:
     """The tensors of one file (checked against its size: a truncated file names the tensors
-    it cuts) and its ``__metadata__``."""
+    it cuts; byte ranges that overlap or leave gaps are refused) and its ``__metadata__``."""
     with storage.store_errors(path):
         total = storage.size(path)
         with path.open("rb") as f:
             raw = f.read(8)
+            kind = _torch_kind(raw)  # said only where the bytes are not a safetensors header
             if len(raw) < 8:
                 raise _bad(file, f"it is {total} bytes long, shorter than its 8-byte header size")
             n = struct.unpack("<Q", raw)[0]
             if n > min(_MAX_HEADER, total - 8):
+                if kind is not None:
+                    raise torch_error(file, kind)
                 raise _bad(file, f"its header claims {n} bytes, the file has {total}")
             text = f.read(n)
     try:
         head = json.loads(text)
     except ValueError as e:
+        if kind is not None:
+            raise torch_error(file, kind) from None
         raise _bad(file, f"its JSON header does not parse ({e})") from None
     if not isinstance(head, dict):
         raise _bad(file, "its header is not a JSON object")
@@ -168,6 +220,9 @@ def read_header(path: Any, file: str) -> tuple[dict[str, Entry], dict[str, str]]
             f"tensor(s) {', '.join(repr(c) for c in cut[:5])}{' and more' if len(cut) > 5 else ''} "
             "run past its end. Download or write the file again."
         )
+    _check_offsets(
+        file, [(e.name, e.start - base, e.stop - base) for e in entries.values()], total - base
+    )
     return entries, {str(k): str(v) for k, v in metadata.items()}
 
 

@@ -12,6 +12,7 @@ process's peak host memory is its own shards plus one slice being read.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -24,7 +25,16 @@ from dtensor.checkpoint import storage
 from dtensor.checkpoint.canonical import canon, fmt, is_key, rebuild
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.mapping import Mapping, Source, as_mapping
-from dtensor.checkpoint.safetensors_format import INDEX, SINGLE, Entry, Reader, read_header
+from dtensor.checkpoint.safetensors_commit import aside_of
+from dtensor.checkpoint.safetensors_format import (
+    INDEX,
+    SINGLE,
+    Entry,
+    Reader,
+    read_header,
+    torch_error,
+)
+from dtensor.checkpoint.transforms import is_lossless_cast
 from dtensor.core.layout import Layout
 from dtensor.core.mesh import create_mesh, current_mesh
 from dtensor.core.tree import path_str
@@ -66,7 +76,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Entry]
             if not index_path.exists():
                 if (p / SINGLE).exists():
                     return root, read_header(p / SINGLE, SINGLE)[0]
-                files = sorted(f.name for f in p.iterdir() if f.name.endswith(".safetensors"))
+                names = sorted(f.name for f in p.iterdir())
+                files = [n for n in names if n.endswith(".safetensors")]
+                torch = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+                if not files and torch:
+                    raise torch_error(os.fspath(p / torch[0]), f"the weights in {where!r}")
                 if not files:
                     raise _files_error(where, "holds no .safetensors file")
                 if len(files) > 1:
@@ -77,14 +91,32 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Entry]
                     )
                 return root, read_header(p / files[0], files[0])[0]
         else:
+            aside = aside_of(p)
+            if aside.exists():
+                raise _files_error(
+                    where,
+                    f"does not exist: a save there was stopped while swapping it in, and the "
+                    f"checkpoint that was there is whole in {os.fspath(aside)!r} (the next save "
+                    "puts it back; or rename it)",
+                )
             raise _files_error(where, "does not exist")
-        index = storage.read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
+        text = index_path.read_text()
+    try:
+        index = json.loads(text)
+    except ValueError as e:
         raise CheckpointError(
-            f"index {os.fspath(index_path)!r} has no 'weight_map' (tensor name -> file). Download "
-            "it again, or pass a folder without an index."
+            f"index {os.fspath(index_path)!r} is not valid JSON ({e}): a partial download or a "
+            "damaged file. Download it again (or save the checkpoint again)."
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(
+            f"index {os.fspath(index_path)!r} has no 'weight_map' of tensor name -> file name. "
+            "Download it again, or pass a folder without an index."
         )
+    torch = sorted({f for f in weight_map.values() if not f.endswith(".safetensors")})
+    if torch:
+        raise torch_error(os.fspath(index_path), f"an index naming {torch[0]!r}")
     by_file: dict[str, list[str]] = {}
     for name, f in weight_map.items():
         by_file.setdefault(f, []).append(name)
@@ -228,10 +260,25 @@ def _plans(
                 "config (its config.json), or fix the rule's transforms"
             )
         elif dtype is not None and plan.dtype != dtype:
+            how = "astype()" if is_lossless_cast(plan.dtype, dtype) else f"astype({dtype.name!r})"
             problems.append(
                 f"tensor {first.name!r} in {file} is {first.dtype}, but {path!r} is {dtype}: add "
-                "astype() to the rule (the model's dtype), or build the model in "
+                f"{how} to the rule (casts to the model's dtype), or build the model in "
                 f"{plan.dtype}"
+            )
+        elif (
+            dtype is not None
+            and src.cast is not None
+            and src.cast.dtype is None
+            and not is_lossless_cast(first.dtype, dtype)
+        ):
+            problems.append(
+                f"tensor {first.name!r} in {file} is stored as {first.dtype}, but {path!r} is "
+                f"{dtype}: {first.dtype} -> {dtype} is not a lossless float widening (only those, "
+                "e.g. bfloat16 -> float32, load without being asked), so it is not cast "
+                "silently; if the checkpoint is right, ask for the cast with an explicit dtype "
+                f"in the rule: astype({dtype.name!r}) (examples/decoder.py: "
+                f"hf_mapping(cfg, load_dtype={dtype.name!r}))"
             )
         plans.append(plan)
     extra = sorted(n for n in entries if n not in used and not mapping.ignored(n))

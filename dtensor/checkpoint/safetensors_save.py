@@ -7,10 +7,12 @@ in gathering a leaf split over them), and the process that writes its file (file
 dealt round the processes) streams its bytes out. No process ever holds more than one
 leaf.
 
-Nothing that looks complete is left by a failed save: an earlier index (or
-``model.safetensors``) is removed first, local files are written under temporary names and
-renamed once whole, and the index is written last (renamed into place on disk; in a
-bucket, where an object appears only once its upload finishes, written after every file).
+A save never writes into the checkpoint it replaces: its files go into a sibling folder,
+which becomes the checkpoint only once every process has written its files (a rename on
+disk; in a bucket, copies by the store, the index last: see
+:mod:`dtensor.checkpoint.safetensors_commit`). A save that fails on any process (a full
+disk, ``OSError: [Errno 27] File too large``) raises on every process, names the file and
+the folder, and leaves the last checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import uuid
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ from dtensor.checkpoint import processes, storage
 from dtensor.checkpoint.canonical import canon, is_key
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.mapping import as_mapping
+from dtensor.checkpoint.safetensors_commit import Staging, write_error
 from dtensor.checkpoint.safetensors_format import INDEX, SINGLE, header_bytes, iter_chunks
 from dtensor.core.tree import path_str
 
@@ -56,11 +58,36 @@ def parse_size(size: int | str) -> int:
     )
 
 
-def _barrier(name: str) -> None:
-    if processes.process_count() > 1:
-        from jax.experimental import multihost_utils
+def _agree(ok: bool) -> list[bool]:
+    """Every process's ``ok``, in process order (a collective: all processes call it)."""
+    if processes.process_count() == 1:
+        return [ok]
+    from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(f"dtensor-safetensors-{name}")
+    flags = multihost_utils.process_allgather(np.asarray([int(ok)], np.int32), tiled=True)
+    return [bool(f) for f in np.asarray(flags).reshape(-1)]
+
+
+def _settle(error: BaseException | None, what: str, where: str, cleanup: Any = None) -> None:
+    """Raise on every process when any failed ``what``: its own error on the process that
+    failed, one naming that process elsewhere; ``cleanup`` runs on the first process first."""
+    flags = _agree(error is None)
+    if all(flags):
+        return
+    if cleanup is not None and processes.process_index() == 0:
+        cleanup()
+    if error is not None:
+        raise error
+    bad = [i for i, f in enumerate(flags) if not f]
+    raise CheckpointError(
+        f"save_safetensors({where!r}): process(es) {bad} failed {what} (their own error says "
+        f"which file and why); the checkpoint at {where!r} is unchanged. Fix that and save again."
+    )
+
+
+def _needs_all(x: Any) -> bool:
+    """Whether bringing ``x`` to the host is a collective (a leaf split over processes)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
 
 
 def _host_value(x: Any) -> np.ndarray:
@@ -75,12 +102,11 @@ def _host_value(x: Any) -> np.ndarray:
 
 
 class _Writer:
-    """One output file: header first, then tensors as they come; renamed into place when whole."""
+    """One output file in the staging folder: header first, then tensors as they come."""
 
-    def __init__(self, root: Any, name: str, header: bytes) -> None:
-        self.final = root / name
-        self.remote = storage.is_url(root)
-        self.path = self.final if self.remote else root / f"{name}.tmp-{uuid.uuid4().hex[:8]}"
+    def __init__(self, folder: Any, name: str, header: bytes) -> None:
+        self.name = name
+        self.path = folder / name
         self.f = self.path.open("wb")
         self.f.write(header)
 
@@ -90,8 +116,6 @@ class _Writer:
 
     def commit(self) -> None:
         self.f.close()
-        if not self.remote:
-            os.replace(os.fspath(self.path), os.fspath(self.final))
 
     def abandon(self) -> None:
         with contextlib.suppress(Exception):  # cleaning up after the error being raised
@@ -156,6 +180,7 @@ def save_safetensors(
     mapping: Any = None,
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
+    extra_files: dict[str, str | bytes] | None = None,
 ) -> str:
     """Write ``tree`` as a Hugging Face safetensors checkpoint; returns the index (or file) path.
 
@@ -169,6 +194,14 @@ def save_safetensors(
             int); one file (``model.safetensors``, no index) when all fits.
         metadata: extra ``__metadata__`` strings for every file (``format: pt`` is set, as
             ``transformers`` expects).
+        extra_files: more files for the folder, name -> text or bytes (a ``config.json``):
+            written with the weights, so they replace the folder's old ones together.
+
+    A save over an existing checkpoint writes beside it and swaps it in only when whole
+    (see :mod:`dtensor.checkpoint.safetensors_commit`): if any process fails, every process
+    raises (the failing one naming its file and the folder) and the old checkpoint is left
+    as it was; a save that succeeds leaves none of the old one's weight files, and keeps
+    the folder's other files (a tokenizer). A file at ``path`` is refused.
 
     Examples:
         >>> import tempfile, os, numpy as np, dtensor
@@ -198,56 +231,110 @@ def save_safetensors(
         else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     )
     file_of = {t[0]: i for i, f in enumerate(files) for t in f}
-    me, nproc = processes.process_index(), processes.process_count()
-    root = storage.resolve(path)
-    meta = {"format": "pt", **(metadata or {})}
-    with storage.store_errors(root):
-        if me == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in (INDEX, SINGLE):  # nothing complete-looking while this save runs
-                if (root / stale).exists():
-                    (root / stale).unlink()
-        _barrier("start")
-        open_: dict[int, _Writer] = {}
+    where = os.fspath(path)
+    extra = dict(extra_files or {})
+    for name in extra:
+        if "/" in name or name in (*names, INDEX) or not name.strip("."):
+            raise CheckpointError(
+                f"save_safetensors: extra_files names {name!r}, which is not a file name of its "
+                f"own in the folder (no '/', not one of the weight files {names[0]!r}... or "
+                f"{INDEX!r}). Rename it."
+            )
+    stage = Staging(storage.resolve(path), where)
+    stage.check_target()  # every process: an error here raises everywhere, before any barrier
+    error: BaseException | None = None
+    if processes.process_index() == 0:
         try:
-            for leaf, tensors, src in plan:
-                mine = [t for t in tensors if file_of[t[0]] % nproc == me]
-                value = _host_value(leaf)  # every process: a leaf split over them is gathered
-                if not mine:
-                    continue
+            stage.prepare()
+        except Exception as e:  # noqa: BLE001 - raised below, on every process
+            error = e
+    _settle(error, "to prepare the folder to write into", where)
+    meta = {"format": "pt", **(metadata or {})}
+    error = _write_files(plan, files, names, stage, meta)
+    _settle(error, "to write their files", where, cleanup=stage.discard)
+    if processes.process_index() == 0:
+        current = ""
+        try:
+            if count > 1:
+                total = sum(
+                    int(np.prod(s, dtype=np.int64)) * d.itemsize for f in files for _, s, d in f
+                )
+                index = {
+                    "metadata": {"total_size": total},
+                    "weight_map": {n: names[file_of[n]] for n in sorted(file_of)},
+                }
+                current = INDEX
+                with storage.store_errors(stage.root):
+                    storage.write_json(stage.folder / INDEX, index)
+            for current, content in extra.items():
+                with storage.store_errors(stage.root):
+                    data = content.encode() if isinstance(content, str) else bytes(content)
+                    (stage.folder / current).write_bytes(data)
+        except Exception as e:  # noqa: BLE001 - raised below, on every process
+            error = e
+            if isinstance(e, OSError):
+                error = write_error(e, current, stage.folder, where)
+                error.__cause__ = e
+            stage.discard()
+        else:
+            try:
+                stage.commit([*names, *extra, *([INDEX] if count > 1 else [])])
+            except CheckpointError as e:  # the swap says what state it left
+                error = e
+    _settle(error, "to put the new checkpoint in place", where)
+    return os.fspath(storage.resolve(path) / (INDEX if count > 1 else SINGLE))
+
+
+def _write_files(
+    plan: list[tuple[Any, list[tuple[str, tuple, np.dtype]], Any]],
+    files: list[list[tuple[str, tuple, np.dtype]]],
+    names: list[str],
+    stage: Staging,
+    meta: dict[str, str],
+) -> BaseException | None:
+    """This process's files, leaf by leaf, into the staging folder; the error that stopped
+    them (after which it still takes part in every gather, so the others finish), or None."""
+    me, nproc = processes.process_index(), processes.process_count()
+    file_of = {t[0]: i for i, f in enumerate(files) for t in f}
+    open_: dict[int, _Writer] = {}
+    error: BaseException | None = None
+    current = ""
+    try:
+        for leaf, tensors, src in plan:
+            mine = any(file_of[t[0]] % nproc == me for t in tensors)
+            if error is not None or not mine:
+                if _needs_all(leaf):
+                    _host_value(leaf)  # a leaf split over the processes: all gather it
+                continue
+            value = _host_value(leaf)
+            try:  # a bucket's credentials were tried when the folder was prepared
                 ns = len(src.stacked)
                 value = value.reshape((-1,) + value.shape[ns:]) if ns else value[None]
                 for k, (name, _, dtype) in enumerate(tensors):
                     i = file_of[name]
                     if i % nproc != me:
                         continue
+                    current = names[i]
                     x = value[k]
                     for t in src.transforms[::-1]:
                         x = t.undo(x)
                     if i not in open_:
                         head = header_bytes([(n, d, s) for n, s, d in files[i]], meta)
-                        open_[i] = _Writer(root, names[i], head)
+                        open_[i] = _Writer(stage.folder, names[i], head)
                     open_[i].write(np.asarray(x, dtype))
                     if name == files[i][-1][0]:
                         open_.pop(i).commit()
-                del value
-        except BaseException:
-            for w in open_.values():
-                w.abandon()
-            raise
-        _barrier("files")
-        if count > 1 and me == 0:
-            total = sum(
-                int(np.prod(s, dtype=np.int64)) * d.itemsize for f in files for _, s, d in f
-            )
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": {n: names[file_of[n]] for n in sorted(file_of)},
-            }
-            final = root / INDEX
-            tmp = final if storage.is_url(root) else root / f"{INDEX}.tmp-{uuid.uuid4().hex[:8]}"
-            storage.write_json(tmp, index)
-            if tmp != final:
-                os.replace(os.fspath(tmp), os.fspath(final))
-        _barrier("index")
-    return os.fspath(root / (INDEX if count > 1 else SINGLE))
+            except Exception as e:  # noqa: BLE001 - every process learns of it
+                error = e
+                if isinstance(e, OSError):
+                    error = write_error(e, current, stage.folder, stage.where)
+                    error.__cause__ = e
+                for w in open_.values():
+                    w.abandon()
+                open_.clear()
+            del value
+    except BaseException:  # interrupted: no agreement possible; the next save cleans up
+        for w in open_.values():
+            w.abandon()
+        raise
+    return error

@@ -20,6 +20,7 @@ __all__ = [
     "Box",
     "Transform",
     "astype",
+    "is_lossless_cast",
     "merge_dims",
     "permute",
     "rope_permute",
@@ -286,9 +287,33 @@ def rope_permute(dim: int, head_dim: int, *, to: str = "halves") -> Transform:
     return _Permute(dim, order, f"rope_permute({dim}, {head_dim}, to={to!r})")
 
 
+def is_lossless_cast(stored: Any, target: Any) -> bool:
+    """Whether every ``stored`` value is exactly a ``target`` value: the same dtype, or a float
+    widened (bfloat16/float16 -> float32, float32 -> float64, float8 -> bfloat16...).
+
+    Examples:
+        >>> import ml_dtypes, numpy as np
+        >>> from dtensor.checkpoint.transforms import is_lossless_cast
+        >>> is_lossless_cast(ml_dtypes.bfloat16, np.float32), is_lossless_cast(np.float16, np.float32)
+        (True, True)
+        >>> is_lossless_cast(np.float32, ml_dtypes.bfloat16), is_lossless_cast(np.int32, np.float32)
+        (False, False)
+    """
+    import ml_dtypes
+
+    stored, target = np.dtype(stored), np.dtype(target)
+    if stored == target:
+        return True
+    try:
+        a, b = ml_dtypes.finfo(stored), ml_dtypes.finfo(target)
+    except ValueError:  # not both floats: ints, bools and anything else only as themselves
+        return False
+    return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
+
+
 class AsType(Transform):
-    """A cast: to ``dtype`` when loading (``None``: the target's own dtype), to ``saved`` when
-    saving (``None``: as the tree holds it)."""
+    """A cast: to ``dtype`` when loading (``None``: the target's own dtype, lossless float
+    widening only), to ``saved`` when saving (``None``: as the tree holds it)."""
 
     def __init__(self, dtype: Any = None, saved: Any = None) -> None:
         self.dtype = None if dtype is None else np.dtype(dtype)
@@ -302,13 +327,21 @@ class AsType(Transform):
 
 
 def astype(dtype: Any = None, *, saved: Any = None) -> Transform:
-    """Cast on load to ``dtype`` (default: whatever the target holds, e.g. a bfloat16
-    checkpoint into float32 master weights), and on save to ``saved`` (default: unchanged).
+    """Cast on load and on save.
+
+    Loading: ``dtype=None`` (the default) casts to whatever the target holds, but only a
+    lossless float widening (a bfloat16 or float16 checkpoint into float32 master weights;
+    :func:`is_lossless_cast`): any other difference (``int32``, ``uint8`` or ``bool`` into
+    float32, float32 into bfloat16) is refused, naming the tensor. An explicit ``dtype``
+    casts whatever the checkpoint stores to it: the way to ask for a lossy or integer cast.
+    Saving: to ``saved`` (default: the tree's own dtype).
 
     Examples:
         >>> import jax.numpy as jnp
         >>> from dtensor.checkpoint import astype
         >>> astype(saved=jnp.bfloat16)
         astype(None, saved=bfloat16)
+        >>> astype(jnp.bfloat16)   # load a float32 checkpoint into bfloat16 weights, as asked
+        astype(bfloat16, saved=None)
     """
     return AsType(dtype, saved)

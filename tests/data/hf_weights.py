@@ -52,6 +52,35 @@ GEMMA = {
     "torch_dtype": "float32",
 }
 
+#: Gemma 3's text decoder, shaped as benchmarks/flax_gemma_model.py's ``tiny`` Flax Gemma 3
+#: (a sliding layer of 8 tokens, then a global one; RoPE bases 1e4 local, 1e6 global, the
+#: global one scaled linearly by 8 as Gemma 3 12B's; query/key norms; four norms a layer).
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+}
+
 
 def weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Every tensor of the model, float32, named and shaped as ``transformers`` stores it."""
@@ -78,6 +107,11 @@ def weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
         out[p + "mlp.gate_proj.weight"] = normal((f, d), d**-0.5)
         out[p + "mlp.up_proj.weight"] = normal((f, d), d**-0.5)
         out[p + "mlp.down_proj.weight"] = normal((d, f), f**-0.5)
+        if config["model_type"] == "gemma3_text":  # query/key norms, norms after each part
+            out[p + "self_attn.q_norm.weight"] = norm(hd)
+            out[p + "self_attn.k_norm.weight"] = norm(hd)
+            out[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            out[p + "post_feedforward_layernorm.weight"] = norm(d)
     out["model.norm.weight"] = norm(d)
     if not config.get("tie_word_embeddings", False):
         out["lm_head.weight"] = normal((vocab, d), d**-0.5)
