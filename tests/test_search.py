@@ -30,9 +30,15 @@ ALL_FLAGS = (
 )  # fmt: skip
 #: The analytic model against the compilers (compiled / estimated), on the tiny decoder at
 #: 32 x 2048 tokens (measured: peak 0.37-1.07 on v5e:2x4 with libtpu 0.0.42, down to 0.19
-#: with libtpu 0.0.50 (jax 0.12), 1.29-1.49 on h100:1x8; floor within 0.6-1.5); Gemma 2B on
-#: v5e:4x4: peak 0.71-1.36, floor 0.93-2.05; 7B and Gemma 3 12B: peak 0.90-1.31, floor 1.0-2.25.
+#: with libtpu 0.0.50 (jax 0.12); floor within 0.6-1.5); Gemma 2B on v5e:4x4: peak
+#: 0.71-1.36, floor 0.93-2.05; 7B and Gemma 3 12B: peak 0.90-1.31, floor 1.0-2.25.
 PEAK_RATIO, FLOOR_RATIO = (0.15, 4.0), (0.5, 2.0)
+#: The peak on h100:1x8, one compiler (XLA:GPU) without libtpu's spread: 1.29-1.49 measured
+#: when the search came, 1.33 now (jax 0.10.2: its one compile, fully_sharded fsdp=8 bf16,
+#: 43.0 MiB against 32.5 estimated, 26 of them kept activations); the band leaves about 15%
+#: either side. An estimate with the activations halved reads 2.2, doubled 0.74 (the shared
+#: band took both); one that forgets the 6 MiB working set, 1.63, is still inside.
+GPU_PEAK_RATIO = (1.1, 1.75)
 
 
 def _facts(**changes) -> ModelFacts:
@@ -158,11 +164,11 @@ def tpu_search(tmp_path_factory, cache):
         TRAIN, TINY, topology="v5e:2x4", max_compiles=2, cache_dir=cache))  # fmt: skip
 
 
-def _ratios_within(entries):
+def _ratios_within(entries, peak=PEAK_RATIO):
     compiled = [t for t in entries if t["compiled"] and not t.get("error")]
     assert compiled
     for t in compiled:
-        assert PEAK_RATIO[0] <= t["ratio"]["peak"] <= PEAK_RATIO[1], t
+        assert peak[0] <= t["ratio"]["peak"] <= peak[1], t
         if t["fits"]:  # a program over the HBM has a peak, not a floor
             assert FLOOR_RATIO[0] <= t["ratio"]["floor"] <= FLOOR_RATIO[1], t
 
@@ -222,7 +228,7 @@ def test_the_model_against_the_gpu_compiler(cache):
     found = dtensor.tpu.search_plans(TRAIN, TINY, topology="h100:1x8", max_compiles=2,
                                      cache_dir=cache)  # fmt: skip
     assert found.best is not None and found.best["bound"] in ("compute", "NVLink")
-    _ratios_within(found.tried)
+    _ratios_within(found.tried, peak=GPU_PEAK_RATIO)
 
 
 @pytest.mark.slow

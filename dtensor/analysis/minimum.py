@@ -71,9 +71,9 @@ _SAME_WEIGHT = {
     "mesh_cast",
     "optimization_barrier",
     "reduce_precision",
+    "to_bfloat16",  # MixedPrecision's in-loop cast of a scanned layer, by the bits
 }
-# Custom-derivative calls of a weight returning one array of its shape: the weight recast
-# (MixedPrecision's in-loop cast of a scanned layer, ``to_bfloat16``, works on its bits).
+# Custom-derivative calls of a weight returning one array of its shape: the weight recast.
 _CAST_CALLS = {"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"}
 # Calls whose body is skipped: their avals are per device, or they run a data-dependent
 # number of times.

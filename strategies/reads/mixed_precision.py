@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
 
 __all__ = ["MixedPrecision", "to_bfloat16"]
 
@@ -132,32 +134,66 @@ def check_mixed_precision(value: Any) -> MixedPrecision | None:
     )
 
 
-@jax.custom_vjp
 def to_bfloat16(x: Any) -> jax.Array:
     """``x.astype(jnp.bfloat16)`` for float32 ``x``, computed from its bits (round to nearest
-    even; NaN stays NaN), which the compiler cannot move out of a loop as it moves a convert
-    (:class:`MixedPrecision`). Its gradient is the cotangent in float32, as a convert's.
+    even; a NaN becomes the quiet NaN of its sign, as a convert makes it), which the compiler
+    cannot move out of a loop as it moves a convert (:class:`MixedPrecision`).
+
+    Differentiated as a convert: its tangent is ``tangent.astype(jnp.bfloat16)``, so forward
+    mode (``jax.jvp``, ``jax.jacfwd``, Hessian-vector products) works and reverse mode gives
+    the cotangent in float32.
+
+    Args:
+        x: a float32 array.
+
+    Returns:
+        ``x`` in bfloat16, bit for bit what ``x.astype(jnp.bfloat16)`` gives.
+
+    Raises:
+        TypeError: ``x`` is not float32.
 
     Examples:
-        >>> import jax.numpy as jnp, numpy as np
+        >>> import jax, jax.numpy as jnp, numpy as np
         >>> from strategies.reads.mixed_precision import to_bfloat16
         >>> x = jnp.asarray([1.0, 1.00390625, 1.01171875, -3e38, np.inf, 1e-40], jnp.float32)
         >>> bool((to_bfloat16(x) == x.astype(jnp.bfloat16)).all())
         True
+        >>> jax.jvp(to_bfloat16, (x,), (jnp.ones_like(x),))[1].dtype
+        dtype(bfloat16)
     """
+    x = jnp.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(
+            f"to_bfloat16 got a {x.dtype} array of shape {x.shape}; it casts float32 only (by "
+            "its bits). Cast other dtypes with x.astype(jnp.bfloat16)."
+        )
+    return _to_bfloat16_p.bind(x)
+
+
+def _bits_to_bfloat16(x: jax.Array) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     odd = (bits >> 16) & jnp.uint32(1)
-    rounded = ((bits + jnp.uint32(0x7FFF) + odd) >> 16).astype(jnp.uint16)
-    out = jax.lax.bitcast_convert_type(rounded, jnp.bfloat16)
-    return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, jnp.bfloat16), out)
+    rounded = (bits + jnp.uint32(0x7FFF) + odd) >> 16
+    # A NaN (exponent all ones, mantissa not zero) would round into an infinity or carry into
+    # the sign: it becomes the quiet NaN of its own sign (0x7FC0 or 0xFFC0), as a convert's.
+    nan = (bits & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+    quiet = ((bits >> 16) & jnp.uint32(0x8000)) | jnp.uint32(0x7FC0)
+    out = jax.lax.select(nan, quiet, rounded).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
 
 
-def _to_bfloat16_fwd(x: Any) -> tuple[jax.Array, None]:
-    return to_bfloat16(x), None
-
-
-def _to_bfloat16_bwd(_: None, g: Any) -> tuple[jax.Array]:
-    return (g.astype(jnp.float32),)
-
-
-to_bfloat16.defvjp(_to_bfloat16_fwd, _to_bfloat16_bwd)
+# A primitive (lowered to the bit operations above, differentiated as a convert), not a
+# custom_jvp: jax 0.10's partial evaluation of a scan (the loop-invariant hoisting in its
+# linearisation) inlines a custom_jvp function whose input varies over the loop and drops its
+# rule (jax 0.12's stages the call out instead), so a scanned step's forward pass was
+# differentiated through the bit operations, whose derivative is zero: Hessian-vector
+# products through scanned layers came out wrong, and explain's minimum lost the scanned
+# weights. A custom_vjp has no forward mode at all. A primitive keeps its rules through every
+# transformation, and a differentiated step's jaxpr shows the cast as one equation of the
+# weight (dtensor.analysis.minimum follows a weight through it).
+_to_bfloat16_p = jcore.Primitive("to_bfloat16")
+_to_bfloat16_p.def_impl(jax.jit(_bits_to_bfloat16))
+_to_bfloat16_p.def_abstract_eval(lambda x: x.update(dtype=np.dtype(jnp.bfloat16), weak_type=False))
+mlir.register_lowering(_to_bfloat16_p, mlir.lower_fun(_bits_to_bfloat16, multiple_results=False))
+ad.defjvp(_to_bfloat16_p, lambda tangent, x: tangent.astype(jnp.bfloat16))
+batching.defvectorized(_to_bfloat16_p)

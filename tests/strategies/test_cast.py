@@ -23,14 +23,21 @@ def test_the_bits_cast_gives_the_convert_s_values_and_gradient():
     # ties to even (low half exactly 0x8000), both parities, and the edges
     ties = (rng.integers(0, 2**16, size=2000, dtype=np.uint32) << 16) | np.uint32(0x8000)
     edges = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x00000001, 0x80000000,
-                      0x3F808000, 0x3F818000, 0x7F7F8000], np.uint32)  # fmt: skip
-    x = jnp.asarray(np.concatenate([bits, ties, edges]).view(np.float32))
-    got, want = to_bfloat16(x), x.astype(jnp.bfloat16)
+                      0x3F808000, 0x3F818000, 0x7F7F8000, 0x00000000], np.uint32)  # fmt: skip
+    # subnormals (ties and the largest, which rounds up to the smallest normal)
+    subnormal = np.array([0x00008000, 0x00018000, 0x807FFFFF, 0x007F8000, 0x80000001], np.uint32)
+    # NaNs of both signs: quiet, signalling (0x7F800001 would round to an infinity), with a
+    # payload that carries when rounded (0x7FFFFFFF, 0x7F808000) or sits in the low half only
+    nans = np.array([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7F808000, 0x7F807FFF, 0x7FA00000,
+                     0x7FC12345], np.uint32)  # fmt: skip
+    nans = np.concatenate([nans, nans | np.uint32(0x80000000)])
+    x = jnp.asarray(np.concatenate([bits, ties, edges, subnormal, nans]).view(np.float32))
     nan = np.isnan(np.asarray(x))
-    assert nan.any() and np.isnan(np.asarray(got, np.float32)[nan]).all()
-    np.testing.assert_array_equal(
-        np.asarray(got)[~nan].view(np.uint16), np.asarray(want)[~nan].view(np.uint16)
-    )
+    assert nan.sum() > 500 and (np.signbit(np.asarray(x)) & nan).sum() > 250
+    want = np.asarray(x.astype(jnp.bfloat16)).view(np.uint16)
+    for got in (to_bfloat16(x), jax.jit(to_bfloat16)(x)):
+        # every pattern, NaNs too: a NaN keeps its sign and becomes the quiet NaN a convert gives
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want)
     w = jnp.linspace(-1.0, 1.0, x.size, dtype=jnp.float32)
     finite = jnp.where(jnp.isfinite(x), x, 0.0)
 
@@ -41,6 +48,61 @@ def test_the_bits_cast_gives_the_convert_s_values_and_gradient():
         jax.grad(loss(to_bfloat16))(finite),
         jax.grad(loss(lambda v: v.astype(jnp.bfloat16)))(finite),
     )
+    with pytest.raises(TypeError, match=r"got a bfloat16 array of shape \(3,\).*float32 only"):
+        to_bfloat16(jnp.ones(3, jnp.bfloat16))
+
+
+def test_scanned_layers_differentiate_forward_and_reverse_as_through_the_convert(monkeypatch):
+    """Forward mode (``jax.jacfwd`` along two directions, one the ``jax.jvp`` below), a
+    Hessian-vector product (``jax.jvp`` of ``jax.grad``) and the gradient of a scanned decoder's
+    loss under a preset with ``MixedPrecision``: the in-loop cast gives what XLA's convert
+    (``hoist_casts=True``) gives. As a custom_vjp the cast had no forward mode; as a
+    custom_jvp, JAX's partial evaluation of the scan dropped its rule and the Hessian-vector
+    product came out wrong."""
+    from flax import nnx
+
+    from examples.decoder import CONFIGS, Decoder, loss_fn
+    from strategies.reads import mixed_precision
+
+    cfg = CONFIGS["tiny"].replace(scan=True)
+    words = np.random.default_rng(0).integers(0, cfg.vocab, size=(8, 9)).astype(np.int32)
+    batch = {"x": words[:, :-1], "y": words[:, 1:]}
+
+    def derivatives(model, batch):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p, rest), batch)
+
+        v = jax.tree.map(
+            lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape), params
+        )
+        # jax.jacfwd along v (the jvp of the loss) and a second direction; the jvp of grad
+        # gives the gradient and the Hessian-vector product.
+        along = jax.jacfwd(
+            lambda a: loss(jax.tree.map(lambda p, d: p + a[0] * d + a[1] * d * d, params, v))
+        )(jnp.zeros(2))
+        grad, hvp = jax.jvp(jax.grad(loss), (params,), (v,))
+        return along, hvp, grad
+
+    casts = []
+    bits = mixed_precision.to_bfloat16
+    monkeypatch.setattr(mixed_precision, "to_bfloat16", lambda x: casts.append(x) or bits(x))
+    found = {}
+    for hoist in (False, True):
+        mp = strategies.MixedPrecision(hoist_casts=hoist)
+        s = strategies.MirroredStrategy(mixed_precision=mp)
+        with s.scope():
+            model = Decoder(cfg, rngs=nnx.Rngs(0))
+        found[hoist] = jax.device_get(s.run(derivatives, args=(model, batch)))
+        assert bool(casts) != hoist  # the in-loop cast read the scanned layers, the convert not
+        casts.clear()
+    names = ("jacfwd", "hessian-vector product", "grad")
+    for name, got, want in zip(names, found[False], found[True], strict=True):
+        leaves = jax.tree.leaves(want)
+        assert any(np.abs(w).max() > 0 for w in leaves), name
+        for a, b in zip(jax.tree.leaves(got), leaves, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9 * np.abs(b).max(), err_msg=name)
 
 
 @pytest.mark.slow
