@@ -64,4 +64,3 @@ class OneDeviceStrategy(Strategy):
             batch_axes=("device",) if len(chosen) > 1 else (),
             mixed_precision=mixed_precision,
         )
-
