@@ -24,11 +24,12 @@ running then, get SIGTERM to their own pids, then SIGKILL after ``grace_s``.
 catches it in a joined process.)
 
 It is how multi-host code is tried on one machine, and how dtensor's own tests run it.
+The launched processes' bookkeeping (statuses, output, stopping, parameter-server roles) is
+:mod:`dtensor.runtime.local_job`; the command line's flags are :mod:`dtensor.runtime.launch_args`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -45,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from dtensor.runtime import launch_args
 from dtensor.runtime.cluster import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
@@ -52,7 +54,16 @@ from dtensor.runtime.cluster import (
     ENV_PROCESS_ID,
     ENV_STATUS_DIR,
 )
-from dtensor.runtime.exit_codes import EXIT_PEER_LOST, EXIT_TIMEOUT, describe
+from dtensor.runtime.exit_codes import EXIT_TIMEOUT, describe
+from dtensor.runtime.local_job import (
+    Job,
+    exit_status,
+    note,
+    pump,
+    role_env,
+    task_roles,
+    write_atomic,
+)
 from dtensor.runtime.peers import LAUNCHER_FILE
 from dtensor.runtime.platform import default_platforms
 
@@ -97,10 +108,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _status(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
 def _command(cmd: Sequence[str]) -> list[str]:
     """A script runs with this interpreter; so does a bare ``python``/``python3``
     (the launcher's own environment, as ``jupyter_client`` does for kernels).
@@ -137,83 +144,6 @@ def _check(cmd: Sequence[str], num_processes: int, devices_per_process: int | No
             f"devices_per_process={devices_per_process!r} is not valid; give a positive "
             "integer (CPU devices each process simulates), or None to leave JAX's default."
         )
-
-
-def _pump(
-    rank: int, stream: IO[bytes], sink: list[str], out: IO[str] | None, lock: threading.Lock
-) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        sink.append(line)
-        if out is not None:
-            text = line if line.endswith("\n") else line + "\n"
-            with lock:
-                out.write(f"[rank {rank}] {text}")
-                out.flush()
-    stream.close()
-
-
-class _Job:
-    """The launched processes, the order they ended in, and the status directory."""
-
-    def __init__(self, status_dir: Path) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.status_dir = status_dir
-        self.ended: list[tuple[int, int]] = []  # (rank, status) in the order seen
-        self.tolerate: frozenset[int] = frozenset()  # ranks whose failure is not the job's
-
-    def poll(self) -> bool:
-        """Note processes that ended (writing their status for the others); whether any run."""
-        running = False
-        for rank, p in enumerate(self.procs):
-            code = p.poll()
-            if code is None:
-                running = True
-            elif rank not in {r for r, _ in self.ended}:
-                self.ended.append((rank, code))
-                if code != 0:
-                    _write(self.status_dir / f"{rank}.status", str(code))
-        return running
-
-    def first_failure(self) -> tuple[int, int] | None:
-        """The first failure (rank, status), a cause preferred over a 75 (a lost peer's echo)."""
-        failures = [(r, _status(c)) for r, c in self.ended if c != 0 and r not in self.tolerate]
-        causes = [f for f in failures if f[1] != EXIT_PEER_LOST]
-        return (causes or failures or [None])[0]
-
-    def stop(self, grace_s: float, report_s: float = 0.0) -> None:
-        """Let joined processes report and stop (``report_s``), then SIGTERM, then SIGKILL."""
-        deadline = time.monotonic() + report_s
-        while self.poll() and time.monotonic() < deadline:
-            watching = [
-                p
-                for rank, p in enumerate(self.procs)
-                if p.poll() is None and (self.status_dir / f"{rank}.watching").exists()
-            ]
-            if not watching:
-                break
-            time.sleep(0.05)
-        alive = [p for p in self.procs if p.poll() is None]
-        for p in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self.poll() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for p in alive:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-        self.poll()
-
-
-def _write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (readers never see half a file)."""
-    with contextlib.suppress(OSError):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
 
 
 def launch(
@@ -341,11 +271,11 @@ def _launch_once(
         base.pop(ENV_DEVICES_PER_PROCESS, None)
     argv = _command(cmd)
     lock = threading.Lock()
-    job = _Job(Path(tempfile.mkdtemp(prefix="dtensor-launch-")))
+    job = Job(Path(tempfile.mkdtemp(prefix="dtensor-launch-")))
     base[ENV_STATUS_DIR] = str(job.status_dir)
     sinks: list[list[str]] = [[] for _ in range(num_processes)]
     pumps: list[threading.Thread] = []
-    roles = _roles(num_processes, num_ps)
+    roles = task_roles(num_processes, num_ps)
     if num_ps is not None:  # a parameter-server job: a worker's failure is not the job's
         job.tolerate = frozenset(r for r, (kind, _) in enumerate(roles) if kind == "worker")
     restarts = restart_workers
@@ -357,13 +287,13 @@ def _launch_once(
         def start(rank: int) -> subprocess.Popen[bytes]:
             proc_env = dict(base, **{ENV_PROCESS_ID: str(rank)})
             if num_ps is not None:
-                proc_env.update(_role_env(roles[rank], num_ps, num_processes - 1 - num_ps))
+                proc_env.update(role_env(roles[rank], num_ps, num_processes - 1 - num_ps))
             p = subprocess.Popen(
                 argv, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
             assert p.stdout is not None
             t = threading.Thread(
-                target=_pump, args=(rank, p.stdout, sinks[rank], sink, lock), daemon=True
+                target=pump, args=(rank, p.stdout, sinks[rank], sink, lock), daemon=True
             )
             t.start()
             pumps.append(t)
@@ -379,7 +309,7 @@ def _launch_once(
                     job.ended.remove((rank, code))
                     with contextlib.suppress(OSError):
                         (job.status_dir / f"{rank}.status").unlink()
-                    _note(
+                    note(
                         sink,
                         lock,
                         f"rank {rank} ({roles[rank][0]} {roles[rank][1]}) {describe(code)}; restarting it",
@@ -389,7 +319,7 @@ def _launch_once(
             if first is not None and not failed:
                 failed = True
                 if stop_on_failure:
-                    _note(
+                    note(
                         sink,
                         lock,
                         f"rank {first[0]} {describe(job.procs[first[0]].returncode or 0)}; "
@@ -400,8 +330,8 @@ def _launch_once(
             if deadline is not None and time.monotonic() > deadline:
                 timed_out, before_timeout = True, job.first_failure()
                 running = [r for r, p in enumerate(job.procs) if p.poll() is None]
-                _note(sink, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
-                _write(
+                note(sink, lock, f"timed out after {timeout_s:g} s; stopping ranks {running}")
+                write_atomic(
                     job.status_dir / LAUNCHER_FILE,
                     f"the job timed out after {timeout_s:g} s (dtensor.launch --timeout)",
                 )
@@ -413,7 +343,7 @@ def _launch_once(
         for t in pumps:
             t.join(timeout=10)
         shutil.rmtree(job.status_dir, ignore_errors=True)
-    codes = tuple(_status(p.returncode) for p in job.procs)
+    codes = tuple(exit_status(p.returncode) for p in job.procs)
     first = before_timeout if timed_out else job.first_failure()
     if timed_out and first is None:  # the processes stopped at the timeout did not fail
         returncode, failed_rank = EXIT_TIMEOUT, None
@@ -430,113 +360,25 @@ def _launch_once(
     )
 
 
-def _roles(num_processes: int, num_ps: int | None) -> list[tuple[str, int]]:
-    """Each rank's (task type, index): chief, then ps, then workers (``worker i`` without ps)."""
-    if num_ps is None:
-        return [("worker", r) for r in range(num_processes)]
-    if num_ps < 1 or num_processes - 1 - num_ps < 1:
-        raise ValueError(
-            f"a parameter-server job needs at least one ps and one worker besides the chief; "
-            f"got num_ps={num_ps} of {num_processes} processes. Use e.g. --ps 1 --workers 2."
-        )
-    return (
-        [("chief", 0)]
-        + [("ps", i) for i in range(num_ps)]
-        + [("worker", i) for i in range(num_processes - 1 - num_ps)]
-    )
-
-
-def _role_env(role: tuple[str, int], num_ps: int, num_workers: int) -> dict[str, str]:
-    return {
-        "DTENSOR_TASK_TYPE": role[0],
-        "DTENSOR_TASK_INDEX": str(role[1]),
-        "DTENSOR_NUM_PS": str(num_ps),
-        "DTENSOR_NUM_WORKERS": str(num_workers),
-    }
-
-
-def _note(out: IO[str], lock: threading.Lock, message: str) -> None:
-    with lock:
-        out.write(f"[dtensor.launch] {message}\n")
-        out.flush()
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dtensor.launch",
-        description="Start N local processes of one JAX job (coordinator on 127.0.0.1; "
-        "JAX_PLATFORMS kept if set, else cpu where there are no TPU/GPU device files).",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="this machine's address the processes find the coordinator at (default: loopback)",
-    )
-    p.add_argument("-n", "--num-processes", type=int, default=None, help="processes to start")
-    p.add_argument("--ps", type=int, default=None, help="parameter-server job: ps tasks")
-    p.add_argument("--workers", type=int, default=None, help="parameter-server job: worker tasks")
-    p.add_argument(
-        "--restart-workers", type=int, default=0, help="times a failed worker is started again"
-    )
-    p.add_argument(
-        "--devices-per-process", type=int, default=None, help="CPU devices each one simulates"
-    )
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    p.add_argument("--timeout", type=float, default=None, help="overall limit in seconds")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
-    p.add_argument(
-        "--report",
-        type=float,
-        default=10.0,
-        help="seconds joined processes get to report a failed peer and exit before SIGTERM",
-    )
-    p.add_argument(
-        "--keep-going",
-        action="store_true",
-        help="do not stop the others when one process fails",
-    )
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; returns the exit status."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        parser.error("no command given; write it after '--', e.g. -- python train.py")
+    """``python -m dtensor.launch``'s command line (its flags: :mod:`dtensor.runtime.launch_args`);
+    returns the exit status."""
+    args = launch_args.parse(argv)
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds launch(), which stops the processes
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    num_processes, num_ps = args.num_processes, args.ps
-    if (args.ps is None) != (args.workers is None):
-        parser.error("--ps and --workers go together (a chief is added): e.g. --ps 1 --workers 2")
-    if args.ps is not None:
-        num_processes = 1 + args.ps + args.workers
-    if num_processes is None:
-        parser.error("give -n N (processes), or --ps N --workers M (a parameter-server job)")
     try:
-        result = launch(
-            cmd,
-            num_processes,
-            num_ps=num_ps,
-            restart_workers=args.restart_workers,
-            devices_per_process=args.devices_per_process,
-            port=args.port,
-            host=args.host,
-            timeout_s=args.timeout,
-            grace_s=args.grace,
-            report_s=args.report,
-            stop_on_failure=not args.keep_going,
-        )
+        result = launch(list(args.cmd), args.num_processes, **args.options)
     except ValueError as e:
-        parser.error(str(e))
+        launch_args.error(str(e))
     return result.returncode
+
+
+# The launcher's pieces under the names tests/test_peers.py and tests/test_roles.py import.
+_Job = Job
+_roles = task_roles
 
 
 if __name__ == "__main__":

@@ -35,15 +35,9 @@ from typing import Any
 from dtensor.tpu.compiles import cache_dir as _cache_dir
 from dtensor.tpu.compiles import cached_compile, merge_flags
 from dtensor.tpu.estimate import Estimate, estimate
-from dtensor.tpu.plans import (
-    KNOB_FLAGS,
-    ModelFacts,
-    Plan,
-    Rung,
-    enumerate_plans,
-    ladder,
-    plan_from_argv,
-)
+from dtensor.tpu.flags import Rung, ladder, plan_from_argv
+from dtensor.tpu.plan import KNOB_FLAGS, ModelFacts, Plan
+from dtensor.tpu.plans import enumerate_plans
 from dtensor.tpu.ranking import Calibration, choose, next_candidate
 
 __all__ = [
