@@ -161,7 +161,7 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     scan = facts.accepts("scan") and facts.layers >= 8
     # the slices cost a recompute of the head (Gemma 3 12B fully sharded on v5e:4x4: 954 ms
     # against 879 ms whole) and do not always lower the peak (Gemma 7B, fsdp=2 tensor=8: 10.7
-    # GiB against 10.6): searched only where a device's float32 and bf16 logits pass 2 GiB
+    # GiB against 10.6): searched only where a device's float32 and bf16 logits reach LOGITS_BYTES (0.5 GiB)
     big = logits_bytes(plan, facts, 2.0) * plan.loss_chunks >= LOGITS_BYTES
     slices = facts.accepts("loss_chunks") and facts.vocab % 8 == 0 and big
     chunks = [(1, "vocab")] + ([(8, "vocab")] if slices else [])
