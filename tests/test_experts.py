@@ -270,14 +270,27 @@ def test_moe_decoder_aux_loss_and_counts():
     cfg = CONFIGS["tiny-moe"]
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(_batches(cfg, 1)[0]["x"])
-    logits, aux = model(tokens, with_aux=True)
+    logits, aux = nnx.jit(lambda m, t: m(t, with_aux=True))(model, tokens)  # one compile
     assert logits.shape == (8, 16, cfg.vocab)
     # The Switch load-balancing loss is E * sum(fraction * probability): 1 when uniform,
     # here near it (a fresh router), and at most E.
     assert 0.9 < float(aux) < 2.0
-    assert float(loss_fn(model, {"x": tokens, "y": tokens})) > 0
+    assert float(nnx.jit(loss_fn)(model, {"x": tokens, "y": tokens})) > 0
     stack = model.blocks[0].moe.experts
     assert stack.up[...].shape == (cfg.experts, cfg.d_model, cfg.ffw)
+
+
+@functools.cache
+def _one_device(cfg):
+    """Single-device JAX on ``_batches(cfg)`` (Adam, ``eps=1e-6``): the first batch's gradients,
+    then three steps' losses and the parameters after them. The meshes of one layer kind
+    compare against the same run (made once in a process)."""
+    batches = _batches(cfg)
+    model, opt = _build(cfg, eps=1e-6)
+    grads = nnx.jit(nnx.grad(loss_fn))(model, batches[0])
+    step = nnx.jit(_step)
+    losses = [float(step(model, opt, b)) for b in batches]
+    return jax.device_get(grads), losses, jax.device_get(nnx.state(model, nnx.Param))
 
 
 @pytest.mark.parametrize(
@@ -306,11 +319,7 @@ def test_moe_decoder_trains_under_hybrid_expert_as_on_one_device(data, fsdp, exp
     relative on the queries with jax 0.12); a wrong dispatch moves them by ~1e-1."""
     cfg = CONFIGS["tiny-moe"].replace(scan=scan)
     batches = _batches(cfg)
-    model, opt = _build(cfg, eps=1e-6)
-    want_grads = nnx.grad(loss_fn)(model, batches[0])
-    step = nnx.jit(_step)
-    want = [float(step(model, opt, b)) for b in batches]
-    want_params = nnx.state(model, nnx.Param)
+    want_grads, want, want_params = _one_device(cfg)
 
     remat = (Block,) if scan else None
     s = strategies.HybridStrategy(data, fsdp, tensor, expert=expert, min_shard_bytes=0, remat=remat)

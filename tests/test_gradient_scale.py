@@ -32,10 +32,12 @@ LR = 0.5
 RTOL = 1e-4
 FLOOR = 1e-5
 
-TINY = CONFIGS["tiny"]
-SCAN = TINY.replace(scan=True)
-DEEP = TINY.replace(layers=4)  # a circular schedule needs 2 rounds of 2 stages
-MOE = CONFIGS["tiny-moe"]
+# One block: every kind of tensor the decoder has, and one compile of half the program of two
+# (a scale is a tensor's, not a layer's). The stages need a layer each at least.
+TINY = CONFIGS["tiny"].replace(layers=1)
+SCAN = CONFIGS["tiny"].replace(scan=True)
+DEEP = CONFIGS["tiny"].replace(layers=4)  # a circular schedule needs 2 rounds of 2 stages
+MOE = CONFIGS["tiny-moe"].replace(layers=1)
 
 
 def _layout():

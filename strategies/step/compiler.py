@@ -90,6 +90,10 @@ class StepCompiler:
         fn_key = FunctionKey(fn)
         key = (fn_key, per_replica, treedef, graph_key, tuple(kinds), sig, mask)
         compiled = self.compiled.get(key)
+        if compiled is None and cached is not None:  # explain() keys its step by the graph
+            compiled = self.compiled.get((*key[:3], graphdef, *key[4:]))
+            if compiled is not None:
+                self.compiled.put((FunctionKey(fn, self._forget), *key[1:]), compiled)
         if compiled is None:
             fn_key = FunctionKey(fn, self._forget)  # the stored key watches the function
             key = (fn_key, *key[1:])

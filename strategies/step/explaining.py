@@ -2,7 +2,11 @@
 
 The step is compiled exactly as :class:`strategies.step.compiler.StepCompiler`
 compiles it for ``run`` (same layouts, memory kinds and donation), from
-abstract values where the arguments are abstract, and never run.
+abstract values where the arguments are abstract, and never run. It is the
+same step as ``run``'s for arguments of the same kinds, shapes and layouts
+(one cache): after a ``run``, the program run compiled is the one reported,
+and a ``run`` after ``explain`` runs the program explain compiled (nothing is
+traced or compiled again either way).
 """
 
 from __future__ import annotations
@@ -72,9 +76,16 @@ def explain_step(
     memories = compiler.memory_kinds(graphdef, state) if nodes else None
     if memories is not None:  # offloaded variables enter in host memory
         state = compiler._in_memory(state, layouts, memories, device=False)
-    compiled = compiler._compile(
-        FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
-    )
+    # One step for run() and explain() of the same arguments: whichever comes first compiles
+    # it, and the other's jit call hands back that very program (traced, lowered, compiled).
+    sig = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
+    key = (FunctionKey(fn), False, treedef, graphdef, tuple(kinds), sig, mask)
+    compiled = compiler.compiled.get(key)
+    if compiled is None:
+        compiled = compiler._compile(
+            FunctionKey(fn), treedef, graphdef, kinds, layouts, arrays, False, memories, mask
+        )
+        compiler.compiled.put((FunctionKey(fn, compiler._forget), *key[1:]), compiled)
     call_args = compiled.args(arrays)
     variables = state
     if not nodes and compiled.mask:  # a functional step: its donated arguments are its state

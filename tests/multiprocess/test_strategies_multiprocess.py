@@ -32,7 +32,9 @@ def _reference():
     ("preset", "feed", "processes", "devices"),
     [
         ("multi_worker_mirrored", "global", 2, 2),
-        ("multi_worker_mirrored", "per_process", 4, 1),
+        # one device a process, each feeding its own rows (four such processes, on two hosts:
+        # tests/multiprocess/test_hosts.py)
+        ("multi_worker_mirrored", "per_process", 2, 1),
         ("fully_sharded", "per_process", 2, 2),
         # one device (and one central copy) per process: every process runs the step
         ("one_device", "per_process", 2, 2),

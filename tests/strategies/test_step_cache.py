@@ -113,6 +113,54 @@ def test_recompile_monitor_warns_once_per_code_naming_the_fix():
     assert re.search(r"3 times.*Define the step once \(a named function\)", str(caught[0].message))
 
 
+# ------------------------------------------------------- explain() and run()
+def test_run_and_explain_of_the_same_arguments_compile_the_step_once():
+    """``explain`` and ``run`` of a step with arguments of the same shapes share one program:
+    explain after run reports run's, run after explain runs explain's (nothing traced or
+    compiled again either way), the reports equal; a batch of another shape is compiled for
+    itself."""
+    compiles: list[str] = []
+
+    def listen(event: str, duration: float, **kw: object) -> None:
+        if event.endswith("/backend_compile_duration"):
+            compiles.append(event)
+
+    def build(strategy):
+        with strategy.scope():
+            model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+            return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = np.ones((8, 8), np.float32)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first_run = strategies.FullyShardedStrategy(min_shard_bytes=0)
+        model, optimizer = build(first_run)
+        first_run.run(step, args=(model, optimizer, x))
+        del compiles[:]
+        after_run = first_run.explain(step, args=(model, optimizer, x))
+        assert compiles == []
+
+        first_explain = strategies.FullyShardedStrategy(min_shard_bytes=0)
+        model, optimizer = build(first_explain)
+        before_run = first_explain.explain(step, args=(model, optimizer, x))
+        assert len(compiles) == 1
+        first_explain.run(step, args=(model, optimizer, x))
+        first_explain.run(step, args=(model, optimizer, x), cache_graph=True)
+        assert len(compiles) == 1
+
+        assert after_run == before_run and after_run.collectives  # every figure but `compiled`
+        other = first_explain.explain(step, args=(model, optimizer, np.ones((16, 8), np.float32)))
+        assert len(compiles) == 2
+        assert other.argument_bytes_per_device > after_run.argument_bytes_per_device
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 # ------------------------------------------------------------- bounded memory
 def _rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -18,6 +18,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 2)
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from dtensor import checkpoint  # noqa: E402
 
@@ -26,7 +27,9 @@ def main() -> None:
     ckpt = checkpoint.Checkpointer(sys.argv[1], async_save=True)
     ckpt.save(1, {"w": jnp.arange(16.0)})
     ckpt.wait()
-    big = jax.random.normal(jax.random.key(0), (64 * 1024 * 1024,))
+    # Random (incompressible) values, drawn by numpy: jax.random at XLA's -O0 (tests/conftest.py)
+    # takes seconds of CPU for 64M of them.
+    big = jax.device_put(np.random.default_rng(0).random(64 * 1024 * 1024, dtype=np.float32))
     big.block_until_ready()
     ckpt.save(2, {"w": jnp.arange(16.0) + 1, "big": big})
     print("SAVING", flush=True)
