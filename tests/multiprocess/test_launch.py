@@ -84,7 +84,9 @@ def test_a_picked_port_taken_before_the_coordinator_starts_is_picked_again(monke
     busy = taken.getsockname()[1]
     picks = iter([busy])
     real = launcher.free_port
-    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    monkeypatch.setattr(
+        launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host)
+    )
     code = (
         "import dtensor; dtensor.initialize(); import jax, os; "
         "print('joined', jax.process_count(), os.environ['DTENSOR_COORDINATOR'])"
