@@ -170,10 +170,14 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     )
     p.add_argument(
         "--schedule",
-        choices=["gpipe", "circular"],
+        choices=["gpipe", "circular", "1f1b", "interleaved-1f1b", "zero-bubble"],
         default=None,
-        help="hybrid with --stage: GPipe (each stage its consecutive layers; the default) or "
-        "circular (each stage one layer per round, the ring gone round layers / stage times)",
+        help="hybrid with --stage: GPipe (each stage its consecutive layers; the default), "
+        "circular (each stage one layer per round, the ring gone round layers / stage times), "
+        "or the schedules that interleave forward and backward so a stage holds about "
+        "2 x stage microbatches' activations, not all: 1f1b, interleaved-1f1b (1f1b over the "
+        "circular layout, microbatches a multiple of --stage), zero-bubble (weight gradients "
+        "deferred into the cool-down)",
     )
     p.add_argument(
         "--across-slices",

@@ -113,15 +113,19 @@ def make_model_cls():
     return CharLM
 
 
-def train_step(model, optimizer, batch):
+def char_loss_fn(model, batch):
+    """Mean next-character cross-entropy. The batch is an argument of the differentiated
+    function (not a closure): the 1F1B schedules cut it into microbatches."""
     import optax
+
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def train_step(model, optimizer, batch):
     from flax import nnx
 
-    def loss_fn(model):
-        logits = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    loss, grads = nnx.value_and_grad(char_loss_fn)(model, batch)
     optimizer.update(model, grads)
     return loss
 

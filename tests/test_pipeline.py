@@ -336,7 +336,7 @@ def test_stage_needs_the_block_class_and_a_schedule():
     with pytest.raises(ValueError, match=r"stage=4\) needs pipeline=\(Block,\)"):
         strategies.HybridStrategy(2, stage=4)
     with pytest.raises(ValueError, match="valid schedules are"):
-        strategies.HybridStrategy(2, stage=4, pipeline=(Block,), schedule="1f1b")
+        strategies.HybridStrategy(2, stage=4, pipeline=(Block,), schedule="pipedream")
     with pytest.raises(ValueError, match="circular schedule needs at least as many microbatches"):
         strategies.HybridStrategy(
             2, stage=4, microbatches=2, pipeline=(Block,), schedule="circular"

@@ -49,6 +49,7 @@ import dataclasses
 from typing import Any
 
 from dtensor.analysis.hardware import Chip
+from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
 from dtensor.tpu.plans import AXES, ModelFacts, Plan, device_tokens, logits_bytes
 
 __all__ = ["Estimate", "estimate"]
@@ -197,6 +198,10 @@ def estimate(
         "dots_saveable": cb * (d / sp + d + hq + 2 * hkv + 2 * f) + scores * cb,
     }.get(plan.remat, cb * (d / sp + d + hq + 2 * hkv + 2 * f))
     activations = tokens * (L / s) * saved
+    table = _interleaved(plan, L)
+    if table is not None:  # layer inputs of the microbatches in flight, whatever remat says
+        held = max(table.in_flight) / (table.microbatches * table.rounds)
+        activations = tokens * held * (L / s) * cb * d / sp
     kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
     logits = logits_bytes(plan, facts, cb)
@@ -210,12 +215,16 @@ def estimate(
     head = min(6.0 * facts.vocab * d * tokens_all, mf - att)
     # the recomputed forward pass: a third of the layers' matmuls (XLA's attention's too)
     again = 1 / 3 if plan.remat == "full" else 0.0
+    if table is not None:  # the backward ticks recompute their layers (zero-bubble's W too)
+        again = 2 / 3 if table.name == "zero-bubble" else 1 / 3
     flops = (mf - att - head) * (1 + again) + head
     if plan.loss_chunks > 1 and plan.loss_tiling == "vocab":
         flops += head / 3  # the logits recomputed in the backward pass
     flops += att * (_ATTENTION_FLOPS[kind] + (again if kind == "xla" else 0.0))
     rounds = max(1, L // s) if plan.schedule == "circular" else 1
-    if s > 1:
+    if table is not None:
+        flops /= 1 - table.bubble_fraction
+    elif s > 1:
         m = plan.microbatches * rounds
         flops *= (m + s - 1) / m
     compute = flops / n / chip.peak_flops
@@ -242,7 +251,10 @@ def estimate(
     if facts.experts:
         sent = tokens * facts.experts_per_token * d * cb
         by_axis["expert"] += _ring("all-to-all", sent, plan.expert) * passes * L / s
-    if s > 1:
+    if table is not None:  # a microbatch's activations on, or gradients back, a tick each
+        moves = sum(f + b for f, b, _, _ in map(table.kinds, range(table.ticks)))
+        by_axis["stage"] = moves * act / plan.microbatches
+    elif s > 1:
         m = plan.microbatches * rounds
         by_axis["stage"] = 2 * (m + s - 1) * act / plan.microbatches
     spans = _spanning(plan, group)
@@ -271,3 +283,11 @@ def estimate(
         networks=chip.networks,
         mfu_ceiling=mf / (n * chip.peak_flops * floor) if floor > 0 else None,
     )
+
+
+def _interleaved(plan: Plan, layers: int) -> Any:
+    """The tick table of a plan's interleaved schedule (1F1B and kin), or ``None``."""
+    if plan.stage <= 1 or plan.schedule not in INTERLEAVED_SCHEDULES:
+        return None
+    rounds = max(1, layers // plan.stage) if plan.schedule == "interleaved-1f1b" else 1
+    return make_schedule(plan.schedule, plan.stage, plan.microbatches, rounds)

@@ -125,13 +125,13 @@ def _family(plan: Any) -> tuple[str, ...]:
 
 def _order(scored: tuple[Any, float, float]) -> tuple[int, int, float]:
     """Sort key of a predicted-fitting candidate: its floor in 2% steps, the plan's
-    complexity (axes above 1, a ring, a circular schedule, kept weights), its peak."""
+    complexity (axes above 1, a ring, a schedule other than GPipe, kept weights), its peak."""
     candidate, peak, floor = scored
     plan = candidate.plan
     complexity = 0
     if plan is not None:
         complexity = sum(n > 1 for n in plan.sizes.values())
-        complexity += (plan.context_mode == "ring") + (plan.schedule == "circular")
+        complexity += (plan.context_mode == "ring") + (plan.schedule != "gpipe")
         complexity += (not plan.reshard) + (plan.remat not in ("none", "full"))
         complexity += getattr(plan, "loss_chunks", 1) > 1
     return (round(math.log(max(floor, 1e-12)) / math.log(1.02)), complexity, peak)

@@ -26,7 +26,8 @@ _T = "tensor"
 _E = "expert"
 _C = "context"
 _S = "stage"
-SCHEDULES = ("gpipe", "circular")
+_ROUNDS = ("circular", "interleaved-1f1b")  # the schedules with rounds (repeats)
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def mesh_dims(
@@ -81,7 +82,10 @@ class PipelinePlanning(Strategy):
             raise ValueError(
                 f"HybridStrategy(schedule={schedule!r}): valid schedules are {SCHEDULES} "
                 "('gpipe': each stage its consecutive layers; 'circular': each stage several "
-                "layer groups, the ring gone round several times)."
+                "layer groups, the ring gone round several times; '1f1b', "
+                "'interleaved-1f1b' and 'zero-bubble' interleave the forward and backward "
+                "passes of different microbatches, holding about 2 x stage microbatches' "
+                "activations, not all of them)."
             )
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(
@@ -93,10 +97,11 @@ class PipelinePlanning(Strategy):
                 f"HybridStrategy(repeats={repeats!r}): the circular schedule's rounds must be "
                 "a positive integer (default: one layer per stage per round)."
             )
-        if repeats is not None and repeats > 1 and schedule != "circular":
+        if repeats is not None and repeats > 1 and schedule not in _ROUNDS:
             raise ValueError(
-                f"HybridStrategy(repeats={repeats}) goes with schedule='circular' (GPipe goes "
-                "round once); pass schedule='circular' or drop repeats."
+                f"HybridStrategy(repeats={repeats}) goes with schedule='circular' or "
+                f"'interleaved-1f1b' ({schedule!r} goes round the stages once); pass one of "
+                "them or drop repeats."
             )
         classes = check_remat(pipeline)
         if stage > 1 and not classes:
@@ -119,6 +124,12 @@ class PipelinePlanning(Strategy):
                 f"started every one of this round). Pass microbatches >= {stage}, or "
                 "schedule='gpipe'."
             )
+        if schedule == "interleaved-1f1b" and stage > 1 and m % stage:
+            raise ValueError(
+                f"HybridStrategy(schedule='interleaved-1f1b', stage={stage}, microbatches={m}): "
+                f"the schedule runs microbatches in groups of the {stage} stages; pass "
+                f"microbatches a multiple of {stage}, or schedule='1f1b'."
+            )
         self.stage = stage
         self.microbatches = m if stage > 1 else 1
         self.schedule = schedule
@@ -129,9 +140,15 @@ class PipelinePlanning(Strategy):
     @property
     def bubble_fraction(self) -> float:
         """The idle fraction of a step by the schedule (0 without ``stage``); for the
-        circular schedule with ``repeats=None`` the rounds are known once a model is seen."""
+        circular and interleaved schedules with ``repeats=None`` the rounds are known once a
+        model is seen. The interleaved schedules' by their tick tables
+        (:attr:`dtensor.core.schedules.Schedule.bubble_fraction`)."""
         from dtensor.core.pipeline import bubble_fraction
+        from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
 
+        if self.stage > 1 and self.schedule in INTERLEAVED_SCHEDULES:
+            table = make_schedule(self.schedule, self.stage, self.microbatches, self._rounds() or 1)
+            return table.bubble_fraction
         return bubble_fraction(self.stage, self.microbatches, self._rounds() or 1)
 
     def pipeline_description(self) -> str:
@@ -140,10 +157,10 @@ class PipelinePlanning(Strategy):
             return ""
         r = self._rounds() or 1
         text = f"{self.schedule}, {self.stage} stages x {self.microbatches} microbatches"
-        return text + (f", {r} rounds" if self.schedule == "circular" else "")
+        return text + (f", {r} rounds" if self.schedule in _ROUNDS else "")
 
     def _rounds(self, layers: int | None = None) -> int | None:
-        if self.schedule == "gpipe":
+        if self.schedule not in _ROUNDS:
             return 1
         if self.repeats is not None:
             return self.repeats
@@ -192,6 +209,7 @@ class PipelinePlanning(Strategy):
             remat=bool(self.remat),
             policy=None,
             preset=type(self).__name__,
+            schedule=self.schedule,
         )
 
 

@@ -23,6 +23,7 @@ from strategies.hybrid.rules import VariableRules
 from strategies.reads.attention import route_attention_fns, routed_flax_attention
 from strategies.reads.param_reads import ReadOptions
 from strategies.reads.pipeline import PipelineError, pipelined, prepare_lists
+from strategies.reads.pipeline_grad import scheduled_grads
 
 __all__ = ["StepOptions", "check_gather_at_read"]
 
@@ -114,6 +115,7 @@ class StepOptions(VariableRules):
                 stack.enter_context(routed_flax_attention())
             if plan is not None:
                 stack.enter_context(pipelined(plan))
+                stack.enter_context(scheduled_grads(plan))
             out = super().trace_step(routed, state, arrays, layouts, shardings)
         if plan is not None and not plan.runs and self._stacks:
             raise PipelineError(

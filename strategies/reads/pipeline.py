@@ -86,12 +86,26 @@ class PipelinePlan:
     #: each list's next block due, the previous block's output and the zeros its later
     #: calls return beside it (``None``: the blocks return their output alone)
     chains: dict[str, tuple[int, Any, Any]] = dataclasses.field(default_factory=dict)
+    #: the schedule: "gpipe"/"circular" run by :func:`dtensor.core.pipeline.pipeline`; the
+    #: interleaved ones by :mod:`strategies.reads.pipeline_grad` where a step differentiates
+    #: the blocks' loss (a forward alone runs as GPipe, or circular with rounds)
+    schedule: str = "gpipe"
+    #: set by :mod:`strategies.reads.pipeline_grad` while it traces a loss: ``"capture"``
+    #: (record the blocks' call, stand in for them with their input) or ``"inject"`` (hand
+    #: back ``injected`` as their output)
+    mode: str | None = None
+    injected: Any = None
+    captured: list[Any] = dataclasses.field(default_factory=list)
 
     def matches(self, node: Any) -> bool:
         base = swaps.swapped_base(type(node))
         return isinstance(base, type) and issubclass(base, self.classes)
 
     def run(self, layer_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
+        if self.mode is not None:  # a loss traced by strategies.reads.pipeline_grad
+            from strategies.reads import pipeline_grad
+
+            return pipeline_grad.stand_in(self, layer_fn, weights, carry, side)
         self.runs += 1
         repeats = self.repeats
         if repeats is None:
@@ -153,7 +167,7 @@ def _check_carry(carry: Any, plan: PipelinePlan, what: str) -> int:
             "batch's activations with one leading dimension, or run this model without stage=."
         )
     (b,) = rows
-    if b % plan.microbatches:
+    if b % plan.microbatches and plan.mode != "inject":  # (inject: one microbatch's rows)
         raise PipelineError(
             f"{plan.preset}(stage={plan.stages}, microbatches={plan.microbatches}): {what} "
             f"carries a batch of {b} rows, which does not divide into "

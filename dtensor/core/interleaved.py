@@ -1,0 +1,384 @@
+"""One SPMD loop that runs a pipeline schedule's tick table, forward and backward interleaved.
+
+:func:`run_schedule` computes a pipelined stack's loss and gradients by the
+table of a :class:`dtensor.core.schedules.Schedule` (1F1B, interleaved 1F1B,
+zero-bubble), not by JAX's transpose of a forward loop (which runs every
+backward after every forward: GPipe). Each tick every stage (``jax.vmap`` over
+the stage dimension, partitioned over the ``stage`` mesh axis) runs the
+forward, backward and weight-gradient ops its row of the table names; the
+forward's output moves one stage on (a collective permute over ``stage``), the
+backward's input gradient one stage back (the reverse permute), both in the same
+loop. The loss of a microbatch is taken the tick its last forward ends (the
+caller's ``loss``: the layers after the stack and the loss, on that
+microbatch), and its cotangent enters the last stage's backward next tick.
+
+What a stage keeps: each layer's input for the microbatches between their
+forward and backward (the stash), so a backward recomputes its layers from
+their inputs (as ``remat`` does) and the stash holds as many microbatches as the
+schedule has in flight (:attr:`Schedule.in_flight`), not ``M``. Gradients
+accumulate in place, one buffer per weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dtensor.core.pipeline import PIPELINE_SCOPE
+from dtensor.core.schedules import FROM_BATCH, FROM_LOSS, FROM_WIRE, Schedule
+
+__all__ = ["run_schedule", "vjp_inexact"]
+
+_U = P.UNCONSTRAINED
+
+
+def _inexact(a: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def vjp_inexact(fn: Callable[..., Any], primals: tuple[Any, ...], wrt: Sequence[bool]) -> Any:
+    """``jax.vjp`` of ``fn(*primals)`` with respect to the floating leaves of the
+    arguments marked in ``wrt``: ``(out, pullback)``, ``pullback(ct)`` giving a tuple shaped
+    like ``primals`` with ``None`` for every leaf not differentiated."""
+    flat, tree = jax.tree.flatten(primals)
+    masks = [
+        jax.tree.map(lambda a, w=w: bool(w) and _inexact(a), p)
+        for p, w in zip(primals, wrt, strict=True)
+    ]
+    mask = jax.tree.leaves(masks)
+    diff = [a for a, k in zip(flat, mask, strict=True) if k]
+
+    def f(diff: list[Any]) -> Any:
+        it = iter(diff)
+        return fn(
+            *jax.tree.unflatten(
+                tree, [next(it) if k else a for a, k in zip(flat, mask, strict=True)]
+            )
+        )
+
+    out, pull = jax.vjp(f, diff)
+
+    def pullback(ct: Any) -> tuple[Any, ...]:
+        (d,) = pull(ct)
+        it = iter(d)
+        return jax.tree.unflatten(tree, [next(it) if k else None for k in mask])
+
+    return out, pullback
+
+
+def _acc_zeros(tree: Any, lead: tuple[int, ...]) -> Any:
+    """Zeros ``lead + shape`` for each floating leaf (an accumulator), ``None`` elsewhere."""
+    return jax.tree.map(
+        lambda a: jnp.zeros(lead + np.shape(a), jnp.result_type(a)) if _inexact(a) else None, tree
+    )
+
+
+def _add(acc: Any, d: Any, on: Any) -> Any:
+    """``acc + d`` where ``on`` (``d`` is ``None`` where ``acc`` is)."""
+    return jax.tree.map(
+        lambda a, x: a + jnp.where(on, x, jnp.zeros_like(x)).astype(a.dtype), acc, d
+    )
+
+
+def _pick(k: Any, options: list[tuple[int | None, Any]], default: Any) -> Any:
+    """The option whose key is ``k`` (``None`` key: ``k >= 0``, a buffer slot)."""
+    out = default
+    for key, value in options:
+        if value is None:
+            continue
+        hit = (k >= 0) if key is None else (k == key)
+        out = jax.tree.map(lambda v, o, hit=hit: jnp.where(hit, v, o), value, out)
+    return out
+
+
+def _put(buf: Any, k: Any, value: Any, on: Any = True) -> Any:
+    """``buf[k] = value`` where ``k >= 0`` (and ``on``)."""
+    if buf is None:
+        return None
+    i = jnp.maximum(k, 0)
+    ok = (k >= 0) & on
+    return jax.tree.map(
+        lambda b, v: b.at[i].set(jnp.where(ok, v.astype(b.dtype), b[i])), buf, value
+    )
+
+
+def _take(buf: Any, k: Any) -> Any:
+    return None if buf is None else jax.tree.map(lambda b: b[jnp.maximum(k, 0)], buf)
+
+
+def run_schedule(
+    layer_fn: Callable[..., Any],
+    weights: Any,
+    shared: Any,
+    inputs: Any,
+    side: Any,
+    loss: Callable[[Any, Any, Any], tuple[Any, Any]],
+    loss_init: Any,
+    *,
+    schedule: Schedule,
+    axis: str = "stage",
+    batch_axes: Sequence[str] = (),
+) -> tuple[Any, Any, Any, Any, Any]:
+    """A pipelined stack's forward and backward by ``schedule``'s tick table.
+
+    Args:
+        layer_fn: ``layer_fn(w, shared, x, side) -> x``: one layer (``weights`` at one
+            index of their leading dimension) on one microbatch.
+        weights: the stack, every leaf ``[L, ...]``; layer group ``r * S + s`` (``g = L /
+            (R S)`` layers) lives on stage ``s`` (the circular layout; ``R = 1``: the
+            stored ``[L]`` split over ``axis``).
+        shared: what every layer reads beside its weights (a rotary table, say); its
+            gradients are summed over the layers.
+        inputs: the stack's input, ``[B, ...]`` leaves (floating), cut into ``M``
+            microbatches (rows ``m, m + M, ...``); scalars among them are per-microbatch
+            accumulators (an MoE loss the layers add to).
+        side: ``[B, ...]`` arrays the layers read for their microbatch (a mask).
+        loss: ``loss(y, m, acc) -> (dy, acc)``: the stack's output ``y`` for microbatch
+            ``m`` (traced; replicated over ``axis``) to its cotangent, accumulating what
+            the caller keeps (the loss, the gradients of the layers after the stack) in
+            ``acc``.
+        loss_init: ``acc``'s initial value.
+        schedule: the tick table (:func:`dtensor.core.schedules.make_schedule`).
+        axis: the mesh axis of the stages.
+        batch_axes: mesh axes the microbatch rows are split over.
+
+    Returns:
+        ``(acc, d_weights, d_shared, d_inputs, d_side)``, each gradient shaped like its
+        argument (``None`` at leaves that are not floating).
+    """
+    S, M, R = schedule.stages, schedule.microbatches, schedule.rounds
+    layers = {int(np.shape(a)[0]) for a in jax.tree.leaves(weights)}
+    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves((inputs, side)) if np.ndim(a)}
+    if len(layers) != 1 or len(rows) != 1:
+        raise ValueError(
+            f"run_schedule: the weights' leading (layer) dimensions {sorted(layers)} and the "
+            f"inputs' leading (batch) dimensions {sorted(rows)} must each be one size."
+        )
+    if not all(_inexact(a) for a in jax.tree.leaves(inputs)):
+        raise ValueError(
+            "run_schedule: a pipelined stack's carry must be floating arrays (activations and "
+            f"float accumulators); got {jax.tree.map(jnp.result_type, inputs)}."
+        )
+    (L,), (B,) = layers, rows
+    if L % (S * R) or B % M:
+        raise ValueError(
+            f"run_schedule: {L} layers must divide into {R} round(s) of {S} stages and a "
+            f"batch of {B} into {M} microbatches."
+        )
+    g = L // (S * R)
+    batch = tuple(batch_axes)
+    batch_entry = None if not batch else batch[0] if len(batch) == 1 else batch
+
+    def constrain(x: Any, lead: tuple[Any, ...]) -> Any:
+        lead = lead[: np.ndim(x)]
+        return jax.lax.with_sharding_constraint(x, P(*lead, *([_U] * (np.ndim(x) - len(lead)))))
+
+    def staged(tree: Any, lead: int) -> Any:
+        return jax.tree.map(lambda x: constrain(x, (axis,) + (None,) * lead + (batch_entry,)), tree)
+
+    def by_stage(w: Any) -> Any:
+        if R == 1:
+            return constrain(jnp.reshape(w, (S, 1, g) + np.shape(w)[1:]), (axis,))
+        w = jnp.reshape(w, (R, S, g) + np.shape(w)[1:])
+        return constrain(jnp.swapaxes(w, 0, 1), (axis,))
+
+    def from_stage(d: Any) -> Any:
+        if R > 1:
+            d = jnp.swapaxes(d, 0, 1)
+        return jnp.reshape(d, (L,) + np.shape(d)[3:])
+
+    def to_micro(x: Any) -> Any:
+        if not np.ndim(x):
+            return jnp.broadcast_to(x, (M,))
+        x = jnp.reshape(x, (B // M, M) + np.shape(x)[1:])
+        return constrain(jnp.swapaxes(x, 0, 1), (None, batch_entry))
+
+    def from_micro(x: Any) -> Any:
+        if np.ndim(x) == 1:  # a scalar's M copies: the broadcast's transpose
+            return jnp.sum(x, axis=0)
+        return jnp.reshape(jnp.swapaxes(x, 0, 1), (B,) + np.shape(x)[2:])
+
+    stacked = jax.tree.map(by_stage, weights)
+    micro = jax.tree.map(to_micro, inputs)
+    micro_side = jax.tree.map(to_micro, side)
+    one = jax.tree.map(lambda a: jnp.zeros(np.shape(a)[1:], a.dtype), micro)  # a microbatch
+
+    def buffer(lead: tuple[int, ...], k: int) -> Any:
+        if not k:
+            return None
+        return staged(
+            jax.tree.map(lambda a: jnp.zeros((S,) + lead + np.shape(a), a.dtype), one), len(lead)
+        )
+
+    split = schedule.name == "zero-bubble"
+    slots = schedule.slots
+    carry0 = dict(
+        got=buffer((), 1),
+        dgot=buffer((), 1),
+        post_dy=one,
+        fin=buffer((slots["forward"],), slots["forward"]),
+        bin=buffer((slots["backward"],), slots["backward"]),
+        stash=buffer((max(1, slots["stash"]), g), 1),
+        cot=buffer((slots["cotangent"], g), slots["cotangent"]) if split else None,
+        dW=_acc_zeros(jax.tree.map(lambda w: w[0, 0, 0], stacked), (S, R, g)),
+        dsh=_acc_zeros(shared, (S,)),
+        dside=_acc_zeros(jax.tree.map(lambda a: a[0], micro_side), (S, M)),
+        d_in=_acc_zeros(one, (S, M)),
+        acc=loss_init,
+    )
+
+    def layer(w: Any, x: Any, sd: Any) -> Any:
+        return layer_fn(w, shared, x, sd)
+
+    def forward(
+        group: Any, fin: Any, got: Any, stash: Any, on: Any, m: Any, r: Any, src: Any, st: Any
+    ) -> Any:
+        m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+        x = _pick(
+            src, [(FROM_BATCH, _take(micro, m)), (FROM_WIRE, got), (None, _take(fin, src))], got
+        )
+        sd = _take(micro_side, m)
+
+        def body(x: Any, w: Any) -> Any:
+            return layer(w, x, sd), x
+
+        y, xs = jax.lax.scan(body, x, _take(group, r))
+        return y, _put(stash, st, xs, on)
+
+    def backward(
+        group: Any, bin: Any, dgot: Any, post_dy: Any, stash: Any, cot: Any, dW: Any, dsh: Any,
+        dside: Any, d_in: Any, on: Any, m: Any, r: Any, src: Any, st: Any, first: Any, bcot: Any,
+    ) -> Any:  # fmt: skip
+        m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+        dy = _pick(src, [(FROM_WIRE, dgot), (FROM_LOSS, post_dy), (None, _take(bin, src))], dgot)
+        sd = _take(micro_side, m)
+        zero_sh, zero_sd = _acc_zeros(shared, ()), _acc_zeros(sd, ())
+
+        def body(carry: Any, wx: Any) -> Any:
+            dy, a_sh, a_sd = carry
+            w, x = wx
+            # The layer's forward recomputed from its input, and its vjp: with respect to
+            # the input alone under zero-bubble (the weights' later, in W).
+            _, pull = vjp_inexact(
+                lambda w, sh, x, sd: layer_fn(w, sh, x, sd),
+                (w, shared, x, sd),
+                (not split, not split, True, True),
+            )
+            dw, d_sh, dx, d_sd = pull(dy)
+            a_sh = a_sh if split else jax.tree.map(jnp.add, a_sh, d_sh)
+            return (dx, a_sh, jax.tree.map(jnp.add, a_sd, d_sd)), (dw if not split else dy)
+
+        (dx, d_sh, d_sd), per_layer = jax.lax.scan(
+            body, (dy, zero_sh, zero_sd), (_take(group, r), _take(stash, st)), reverse=True
+        )
+        if not split:
+            dW = jax.tree.map(
+                lambda a, d: a.at[r].add(jnp.where(on, d, jnp.zeros_like(d))), dW, per_layer
+            )
+            dsh = _add(dsh, d_sh, on)
+            cot = None
+        else:
+            cot = _put(cot, bcot, per_layer, on)
+        dside = jax.tree.map(
+            lambda a, d: a.at[m].add(jnp.where(on, d, jnp.zeros_like(d))), dside, d_sd
+        )
+        d_in = _put(d_in, jnp.where(first == 1, m, -1), dx, on)
+        return dx, dW, dsh, dside, d_in, cot, per_layer
+
+    def wgrad(
+        group: Any,
+        stash: Any,
+        cot: Any,
+        now: Any,
+        dW: Any,
+        dsh: Any,
+        on: Any,
+        m: Any,
+        r: Any,
+        st: Any,
+        src: Any,
+    ) -> Any:
+        m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+        sd = _take(micro_side, m)
+        dys = _pick(src, [(FROM_WIRE, now), (None, _take(cot, src))], now)
+
+        def body(a_sh: Any, wxd: Any) -> Any:
+            w, x, dy = wxd
+            _, pull = vjp_inexact(
+                lambda w, sh, x, sd: layer_fn(w, sh, x, sd),
+                (w, shared, x, sd),
+                (True, True, False, False),
+            )
+            dw, d_sh, _, _ = pull(dy)
+            return jax.tree.map(jnp.add, a_sh, d_sh), dw
+
+        d_sh, dws = jax.lax.scan(
+            body, _acc_zeros(shared, ()), (_take(group, r), _take(stash, st), dys)
+        )
+        dW = jax.tree.map(lambda a, d: a.at[r].add(jnp.where(on, d, jnp.zeros_like(d))), dW, dws)
+        return dW, _add(dsh, d_sh, on)
+
+    vmap = functools.partial(jax.vmap, spmd_axis_name=axis)
+
+    def store(buf: Any, value: Any, k: Any, shared_value: bool = False) -> Any:
+        if buf is None:
+            return None
+        return vmap(_put, in_axes=(0, 0, None if shared_value else 0))(buf, k, value)
+
+    def tick(kinds: tuple[bool, bool, bool, bool], c: dict[str, Any], row: dict[str, Any]) -> Any:
+        has_f, has_b, has_w, has_loss = kinds
+        c = dict(c)
+        c["fin"] = store(c["fin"], c["got"], row["fa_slot"])
+        c["bin"] = store(c["bin"], c["dgot"], row["ba_slot"])
+        c["bin"] = store(c["bin"], c["post_dy"], row["pa_slot"], shared_value=True)
+        out = dx = None
+        if has_f:
+            out, c["stash"] = vmap(forward)(
+                stacked, c["fin"], c["got"], c["stash"],
+                row["f_on"], row["f_m"], row["f_r"], row["f_src"], row["f_stash"],
+            )  # fmt: skip
+        new_dy = c["post_dy"]
+        if has_loss:  # the last stage's output (of the last round) to the loss
+            last = jax.tree.map(lambda o: o[S - 1], out)
+            new_dy, c["acc"] = loss(last, row["loss_m"], c["acc"])
+        now = None
+        if has_b:
+            backward_v = vmap(backward, in_axes=(0, 0, 0, None) + (0,) * 13)
+            dx, c["dW"], c["dsh"], c["dside"], c["d_in"], cot, now = backward_v(
+                stacked, c["bin"], c["dgot"], c["post_dy"], c["stash"], c["cot"], c["dW"],
+                c["dsh"], c["dside"], c["d_in"], row["b_on"], row["b_m"], row["b_r"],
+                row["b_src"], row["b_stash"], row["b_first"], row["b_cot"],
+            )  # fmt: skip
+            if split:
+                c["cot"] = cot
+        if has_w:
+            c["dW"], c["dsh"] = vmap(wgrad)(
+                stacked, c["stash"], c["cot"], now, c["dW"], c["dsh"],
+                row["w_on"], row["w_m"], row["w_r"], row["w_stash"], row["w_cot"],
+            )  # fmt: skip
+        # Activations one stage on, input gradients one stage back (permutes over ``axis``).
+        if has_f:
+            c["got"] = staged(jax.tree.map(lambda y: jnp.roll(y, 1, axis=0), out), 0)
+        if has_b:
+            c["dgot"] = staged(jax.tree.map(lambda d: jnp.roll(d, -1, axis=0), dx), 0)
+        c["post_dy"] = new_dy  # enters the last stage's backward next tick
+        return c, None
+
+    tables = {k: jnp.asarray(v) for k, v in schedule.tables.items()}
+    tables["loss_m"] = jnp.asarray(schedule.loss_m)
+    carry = carry0
+    with jax.named_scope(PIPELINE_SCOPE):
+        for start, stop, kinds in schedule.phases():
+            rows_ = {k: v[start:stop] for k, v in tables.items()}
+            carry, _ = jax.lax.scan(functools.partial(tick, kinds), carry, rows_)
+    d_weights = jax.tree.map(from_stage, carry["dW"])
+    d_shared = jax.tree.map(lambda d: jnp.sum(d, axis=0), carry["dsh"])
+    d_inputs = jax.tree.map(lambda d: from_micro(jnp.sum(d, axis=0)), carry["d_in"])
+    d_side = jax.tree.map(lambda d: from_micro(jnp.sum(d, axis=0)), carry["dside"])
+    return carry["acc"], d_weights, d_shared, d_inputs, d_side
