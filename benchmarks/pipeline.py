@@ -39,6 +39,39 @@ ROWS: list[tuple[str, str, int, int, tuple[str, ...]]] = [
         ("--stage", "2", "--microbatches", "2", "--schedule", "circular"),
     ),
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--across-slices", "data")),
+    # 1F1B (forward and backward interleaved, ~2S microbatches held): the same batch, and
+    # 32-row microbatches at M = 8, 16, 32 (the batch grows with M) beside GPipe's.
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        64,
+        ("--stage", "2", "--microbatches", "2", "--schedule", "1f1b"),
+    ),
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        256,
+        ("--stage", "2", "--microbatches", "8", "--schedule", "1f1b"),
+    ),
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        512,
+        ("--stage", "2", "--microbatches", "16", "--schedule", "1f1b"),
+    ),
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        1024,
+        ("--stage", "2", "--microbatches", "32", "--schedule", "1f1b"),
+    ),
+    ("llama2-70b", "v5p:4x4x2", 2, 256, ("--stage", "2", "--microbatches", "8")),
+    ("llama2-70b", "v5p:4x4x2", 2, 512, ("--stage", "2", "--microbatches", "16")),
+    ("llama2-70b", "v5p:4x4x2", 2, 1024, ("--stage", "2", "--microbatches", "32")),
     # 8 hosts of 8 H100s: stage 0 on hosts 0-3, stage 1 on hosts 4-7 (InfiniBand between).
     ("llama2-70b", "h100:8x8", 1, 64, ("--stage", "2", "--microbatches", "2")),
 ]

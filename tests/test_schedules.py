@@ -349,3 +349,23 @@ def test_preset_refuses_interleaved_microbatches_not_a_multiple_of_the_stages():
         )
     with pytest.raises(ValueError, match="'circular' or 'interleaved-1f1b'"):
         strategies.HybridStrategy(2, stage=4, repeats=2, schedule="1f1b", pipeline=(Block,))
+
+
+def test_the_guide_shows_each_schedule_s_tick_table_as_rendered():
+    """docs/guides/large_models.md's pictures are the tables the loop runs, with their
+    bubbles and what stage 0 holds."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/guides/large_models.md").read_text()
+    block = text.split("```text\n1f1b, S=4")[1].split("```")[0]
+    shown = "1f1b, S=4" + block
+    found = re.findall(r"^(\S+, S=.*)\n((?:stage .*\n)+)", shown, flags=re.M)
+    assert [t.split(",")[0] for t, _ in found] == ["1f1b", "interleaved-1f1b", "zero-bubble"]
+    for title, table in found:
+        name, rest = title.split(", ", 1)
+        sizes = dict(re.findall(r"([SMR])=(\d+)", rest))
+        sched = make_schedule(name, int(sizes["S"]), int(sizes["M"]), int(sizes.get("R", 1)))
+        assert table.rstrip("\n") == sched.render(), name
+        assert f"bubble {sched.bubble_fraction:.1%}" in title
+        if "stage 0 holds" in title:
+            assert f"stage 0 holds {sched.in_flight[0]} microbatches" in title

@@ -244,12 +244,26 @@ def run_schedule(
             src, [(FROM_BATCH, _take(micro, m)), (FROM_WIRE, got), (None, _take(fin, src))], got
         )
         sd = _take(micro_side, m)
+        slot = jnp.where(on, st, -1)
+        i = jnp.maximum(slot, 0)
 
-        def body(x: Any, w: Any) -> Any:
-            return layer(w, x, sd), x
+        def body(carry: Any, j_w: Any) -> Any:
+            # Each layer's input straight into the stash (no [g, ...] copy of them first).
+            x, stash = carry
+            j, w = j_w
+            stash = jax.tree.map(
+                lambda b, v: b.at[i, j].set(jnp.where(slot >= 0, v, b[i, j])), stash, x
+            )
+            return (layer(w, x, sd), stash), None
 
-        y, xs = jax.lax.scan(body, x, _take(group, r))
-        return y, _put(stash, st, xs, on)
+        (y, stash), _ = jax.lax.scan(body, (x, stash), (jnp.arange(g), _take(group, r)))
+        return y, stash
+
+    def add_at(acc: Any, r: Any, j: Any, d: Any, on: Any) -> Any:
+        """``acc[r, j] += d`` where ``on``: in place, one layer's gradient at a time."""
+        return jax.tree.map(
+            lambda a, x: a.at[r, j].add(jnp.where(on, x, jnp.zeros_like(x)).astype(a.dtype)), acc, d
+        )
 
     def backward(
         group: Any, bin: Any, dgot: Any, post_dy: Any, stash: Any, cot: Any, dW: Any, dsh: Any,
@@ -258,38 +272,38 @@ def run_schedule(
         m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
         dy = _pick(src, [(FROM_WIRE, dgot), (FROM_LOSS, post_dy), (None, _take(bin, src))], dgot)
         sd = _take(micro_side, m)
-        zero_sh, zero_sd = _acc_zeros(shared, ()), _acc_zeros(sd, ())
+        xs = _take(stash, st)
+        slot = jnp.where(on, bcot, -1)
+        i = jnp.maximum(slot, 0)
 
-        def body(carry: Any, wx: Any) -> Any:
-            dy, a_sh, a_sd = carry
-            w, x = wx
+        def body(carry: Any, j_w: Any) -> Any:
+            dy, dW, a_sh, a_sd, cot = carry
+            j, w = j_w
+            x = jax.tree.map(lambda b: b[j], xs)
             # The layer's forward recomputed from its input, and its vjp: with respect to
             # the input alone under zero-bubble (the weights' later, in W).
-            _, pull = vjp_inexact(
-                lambda w, sh, x, sd: layer_fn(w, sh, x, sd),
-                (w, shared, x, sd),
-                (not split, not split, True, True),
-            )
+            _, pull = vjp_inexact(layer_fn, (w, shared, x, sd), (not split, not split, True, True))
             dw, d_sh, dx, d_sd = pull(dy)
-            a_sh = a_sh if split else jax.tree.map(jnp.add, a_sh, d_sh)
-            return (dx, a_sh, jax.tree.map(jnp.add, a_sd, d_sd)), (dw if not split else dy)
+            if split:  # the layer's output cotangent, kept for its weight gradient
+                cot = jax.tree.map(
+                    lambda b, v: b.at[i, j].set(jnp.where(slot >= 0, v, b[i, j])), cot, dy
+                )
+            else:
+                dW = add_at(dW, r, j, dw, on)
+                a_sh = jax.tree.map(jnp.add, a_sh, d_sh)
+            return (dx, dW, a_sh, jax.tree.map(jnp.add, a_sd, d_sd), cot), (dy if split else None)
 
-        (dx, d_sh, d_sd), per_layer = jax.lax.scan(
-            body, (dy, zero_sh, zero_sd), (_take(group, r), _take(stash, st)), reverse=True
+        carry = (dy, dW, _acc_zeros(shared, ()), _acc_zeros(sd, ()), cot)
+        (dx, dW, d_sh, d_sd, cot), now = jax.lax.scan(
+            body, carry, (jnp.arange(g), _take(group, r)), reverse=True
         )
         if not split:
-            dW = jax.tree.map(
-                lambda a, d: a.at[r].add(jnp.where(on, d, jnp.zeros_like(d))), dW, per_layer
-            )
             dsh = _add(dsh, d_sh, on)
-            cot = None
-        else:
-            cot = _put(cot, bcot, per_layer, on)
         dside = jax.tree.map(
             lambda a, d: a.at[m].add(jnp.where(on, d, jnp.zeros_like(d))), dside, d_sd
         )
         d_in = _put(d_in, jnp.where(first == 1, m, -1), dx, on)
-        return dx, dW, dsh, dside, d_in, cot, per_layer
+        return dx, dW, dsh, dside, d_in, cot, now
 
     def wgrad(
         group: Any,
@@ -306,22 +320,20 @@ def run_schedule(
     ) -> Any:
         m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
         sd = _take(micro_side, m)
+        xs = _take(stash, st)
         dys = _pick(src, [(FROM_WIRE, now), (None, _take(cot, src))], now)
 
-        def body(a_sh: Any, wxd: Any) -> Any:
-            w, x, dy = wxd
-            _, pull = vjp_inexact(
-                lambda w, sh, x, sd: layer_fn(w, sh, x, sd),
-                (w, shared, x, sd),
-                (True, True, False, False),
-            )
+        def body(carry: Any, j_w: Any) -> Any:
+            dW, a_sh = carry
+            j, w = j_w
+            x, dy = jax.tree.map(lambda b: b[j], xs), jax.tree.map(lambda b: b[j], dys)
+            _, pull = vjp_inexact(layer_fn, (w, shared, x, sd), (True, True, False, False))
             dw, d_sh, _, _ = pull(dy)
-            return jax.tree.map(jnp.add, a_sh, d_sh), dw
+            return (add_at(dW, r, j, dw, on), jax.tree.map(jnp.add, a_sh, d_sh)), None
 
-        d_sh, dws = jax.lax.scan(
-            body, _acc_zeros(shared, ()), (_take(group, r), _take(stash, st), dys)
+        (dW, d_sh), _ = jax.lax.scan(
+            body, (dW, _acc_zeros(shared, ())), (jnp.arange(g), _take(group, r))
         )
-        dW = jax.tree.map(lambda a, d: a.at[r].add(jnp.where(on, d, jnp.zeros_like(d))), dW, dws)
         return dW, _add(dsh, d_sh, on)
 
     vmap = functools.partial(jax.vmap, spmd_axis_name=axis)

@@ -27,7 +27,10 @@ returns their total over the blocks and each later call zeros, so a model
 that adds them up gets the total once. What pipelining needs from the model: the blocks called one after
 another, each one's output the next one's input and nothing in between;
 blocks whose calls change no variables (no batch statistics, no dropout
-RNG); ``nnx.scan`` looked up as ``nnx.scan`` when the step runs (not bound
+RNG); a listed block returns its output, or a tuple of it, ``None`` entries
+(Flax's Gemma returns ``(cache, x)`` without a cache) and scalars; listed
+blocks may differ in static attributes in a repeating pattern (Gemma 3's local
+and global attention layers), pipelined as groups of one period; ``nnx.scan`` looked up as ``nnx.scan`` when the step runs (not bound
 at import) with ``out_axes=nnx.Carry``.
 """
 
@@ -83,8 +86,9 @@ class PipelinePlan:
     preset: str = "HybridStrategy"
     #: how many stacks and lists were pipelined in this trace (explain reports it)
     runs: int = 0
-    #: each list's next block due, the previous block's output and the zeros its later
-    #: calls return beside it (``None``: the blocks return their output alone)
+    #: each list's next block due, the previous block's output and how its later calls
+    #: return their input (``None``: the blocks return their output alone; else the
+    #: blocks' return form, the zero scalars, and the function building the return)
     chains: dict[str, tuple[int, Any, Any]] = dataclasses.field(default_factory=dict)
     #: the schedule: "gpipe"/"circular" run by :func:`dtensor.core.pipeline.pipeline`; the
     #: interleaved ones by :mod:`strategies.reads.pipeline_grad` where a step differentiates
@@ -321,8 +325,13 @@ def _pipeline_class(cls: type) -> type:
         key, index, count = tag
         if index == 0:
             blocks = _siblings(self, key, count, plan)
-            out, zeros = _run_list(blocks, inner, x, args, kwargs, plan)
-            plan.chains[key] = (1, out if zeros is None else out[0], zeros)
+            out, later = _run_list(blocks, inner, x, args, kwargs, plan)
+            y = (
+                out
+                if later is None
+                else next(e for e, kind in zip(out, later[0], strict=True) if kind == "out")
+            )
+            plan.chains[key] = (1, y, later)
             return out
         want, last, zeros = plan.chains.get(key, (0, None, None))
         if want != index or not _same(x, last):
@@ -343,7 +352,10 @@ def _pipeline_class(cls: type) -> type:
         if index + 1 == count:
             plan.chains.pop(key, None)
         # (the first call returned every block's scalars, added up: zeros here)
-        return x if zeros is None else (x, *zeros)
+        if zeros is None:
+            return x
+        _, nothing, assemble = zeros
+        return assemble(x, nothing)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, swaps._BASE: swaps.swapped_base(cls)})
 
@@ -406,63 +418,128 @@ def _siblings(block: Any, key: str, count: int, plan: PipelinePlan) -> list[Any]
     )
 
 
+def _period(graphdefs: list[Any], count: int) -> int:
+    """The fewest consecutive blocks that repeat: 1 for identical blocks, 2 for Gemma 3's
+    alternating local and global attention (a static attribute of each block), ``count``
+    for blocks that never repeat."""
+    for p in range(1, count + 1):
+        if count % p == 0 and all(graphdefs[i] == graphdefs[i % p] for i in range(count)):
+            return p
+    return count
+
+
 def _run_list(
     blocks: list[Any], inner: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Any
 ) -> tuple[Any, Any]:
-    """All ``blocks`` in stages on ``x``: the last one's output and ``None``; or, for blocks
-    returning ``(output, scalars...)`` (an MoE block's loss beside its output), ``(output,
-    scalars added up over the blocks...)`` and zeros of the scalars (what each later block's
-    call returns beside its input, so a model adding them up gets the total once)."""
+    """All ``blocks`` in stages on ``x``: what the first block's call returns and what each
+    later call returns beside its input (``None``: the blocks return their output alone).
+
+    A block returns its output (what the next block takes), or a tuple holding it with
+    ``None`` entries (Flax's Gemma returns ``(cache, x)`` with no cache) and scalars the
+    model adds up (an MoE block's loss): the first call returns the tuple with the output
+    of the last block and the scalars added up over the blocks, each later call the tuple
+    with its input and zero scalars (so a model adding them up gets the total once).
+    Blocks that differ in static attributes in a repeating pattern (Gemma 3's local and
+    global attention layers) are pipelined as groups of one period."""
     key = "the list of blocks"
     rows = _check_carry(x, plan, f"{type(blocks[0]).__name__}'s call")
-    splits = [nnx.split(b) for b in blocks]
-    graphdef, first = splits[0]
-    # Block 0's Variables (their types and read functions) stand for every layer's: the
-    # blocks are identical but for their values, and laid out alike.
-    paths = [(p, np.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(first)]
-    values = []
+    # Split with one tag for all (a tag is a static attribute), so that graph definitions
+    # differ only where the blocks' own attributes do.
+    tags = [getattr(b, _TAG) for b in blocks]
+    try:
+        for b in blocks:
+            setattr(b, _TAG, tags[0])
+        splits = [nnx.split(b) for b in blocks]
+    finally:
+        for b, tag in zip(blocks, tags, strict=True):
+            setattr(b, _TAG, tag)
+    graphdefs = [g for g, _ in splits]
+    period = _period(graphdefs, len(blocks))
+    if period == len(blocks) and len(blocks) > 1:
+        raise PipelineError(
+            f"{plan.preset}(stage={plan.stages}): the {len(blocks)} blocks of {key} differ in "
+            "their static attributes (or structure) with no repeating pattern; pipelined "
+            "blocks must be identical but for their values, or repeat a pattern of them."
+        )
+    # Block k's Variables (their types and read functions) stand for every k-th one's:
+    # the blocks of one position in the pattern are identical but for their values.
+    firsts = [splits[k][1] for k in range(period)]
+    paths = [[(q, np.shape(v)) for q, v in jax.tree_util.tree_leaves_with_path(f)] for f in firsts]
+    values: list[list[list[Any]]] = [[] for _ in range(period)]
     for i, (_, state) in enumerate(splits):
         found = jax.tree_util.tree_leaves_with_path(state)
-        if [(p, np.shape(v)) for p, v in found] != paths:
+        if [(q, np.shape(v)) for q, v in found] != paths[i % period]:
             raise PipelineError(
-                f"{plan.preset}(stage={plan.stages}): block {i} of {key} differs from block 0 "
-                "in its variables (names or shapes); pipelined blocks must be identical but "
-                "for their values."
+                f"{plan.preset}(stage={plan.stages}): block {i} of {key} differs from block "
+                f"{i % period} in its variables (names or shapes); pipelined blocks must be "
+                "identical but for their values."
             )
-        values.append([v for _, v in found])
-    treedef = jax.tree.structure(first)
-    weights = jax.tree.unflatten(treedef, [jnp.stack(vs) for vs in zip(*values, strict=True)])
+        values[i % period].append([v for _, v in found])
+    weights = tuple(
+        jax.tree.unflatten(
+            jax.tree.structure(firsts[k]), [jnp.stack(vs) for vs in zip(*values[k], strict=True)]
+        )
+        for k in range(period)
+    )
     split = _split_side((args, kwargs), rows)
     sides = _side_of(split)
+    want = jax.tree.structure(x)
 
-    def call(layer: Any, x: Any, side: Any) -> Any:
+    def form_of(out: Any) -> tuple[str, ...] | None:
+        """Each entry of a block's return: ``"out"``, ``"none"`` or ``"scalar"``."""
+        if jax.tree.structure(out) == want:
+            return None
+        if not isinstance(out, tuple):
+            return ("bad",)
+        kinds = tuple(
+            "none" if e is None
+            else "out" if jax.tree.structure(e) == want
+            else "scalar" if all(not np.ndim(a) for a in jax.tree.leaves(e))
+            else "bad"
+            for e in out
+        )  # fmt: skip
+        return kinds if kinds.count("out") == 1 and "bad" not in kinds else ("bad",)
+
+    def one(k: int, layer: Any, x: Any, side: Any) -> Any:
         a, kw = _join(split, side)
         with _layer_call(plan):
-            return inner(nnx.merge(graphdef, layer), x, *a, **kw)
+            return inner(nnx.merge(graphdefs[k], layer), x, *a, **kw)
 
-    shape = jax.eval_shape(call, jax.tree.map(lambda w: w[0], weights), x, sides)
-    want = jax.tree.structure(x)
-    if jax.tree.structure(shape) == want:
-        return plan.run(call, weights, x, sides), None
-    parts: list[Any] = list(shape) if isinstance(shape, tuple) else []
-    extras = tuple(parts[1:]) if len(parts) > 1 else None
-    if (
-        extras is None
-        or jax.tree.structure(parts[0]) != want
-        or any(np.ndim(e) for e in jax.tree.leaves(extras))
-    ):
+    shape = jax.eval_shape(
+        lambda w, x, s: one(0, w, x, s), jax.tree.map(lambda w: w[0], weights[0]), x, sides
+    )
+    form = form_of(shape)
+    if form == ("bad",):
         raise PipelineError(
             f"{plan.preset}(stage={plan.stages}): {type(blocks[0]).__name__}'s call returns "
             f"{jax.tree.map(lambda a: a.shape, shape)} for an input of "
             f"{jax.tree.map(np.shape, x)}; a pipelined block returns what the next block "
-            "takes, or a tuple of that and scalars the model adds up (an MoE loss)."
+            "takes, or a tuple of that, None entries and scalars the model adds up (an MoE loss)."
         )
+    if form is None:
+
+        def plain(layer: Any, x: Any, side: Any) -> Any:
+            for k in range(period):
+                x = one(k, layer[k], x, side)
+            return x
+
+        return plan.run(plain, weights, x, sides), None
+    scalars = [e for e, kind in zip(shape, form, strict=True) if kind == "scalar"]
+    zeros = tuple(jax.tree.map(lambda e: jnp.zeros(e.shape, e.dtype), e) for e in scalars)
 
     def layer_fn(layer: Any, carry: Any, side: Any) -> Any:
         x, acc = carry
-        y, *more = call(layer, x, side)
-        return y, jax.tree.map(jnp.add, acc, tuple(more))
+        for k in range(period):
+            out = one(k, layer[k], x, side)
+            x = next(e for e, kind in zip(out, form, strict=True) if kind == "out")
+            more = tuple(e for e, kind in zip(out, form, strict=True) if kind == "scalar")
+            acc = jax.tree.map(jnp.add, acc, more)
+        return x, acc
 
-    zeros = jax.tree.map(lambda e: jnp.zeros(e.shape, e.dtype), extras)
     y, total = plan.run(layer_fn, weights, (x, zeros), sides)
-    return (y, *total), zeros
+
+    def assemble(out: Any, sums: tuple[Any, ...]) -> tuple[Any, ...]:
+        it = iter(sums)
+        return tuple(out if k == "out" else None if k == "none" else next(it) for k in form)
+
+    return assemble(y, total), (form, zeros, assemble)
