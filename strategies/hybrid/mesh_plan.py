@@ -201,7 +201,9 @@ class PipelinePlanning(Strategy):
             classes=self.pipeline,
             stages=self.stage,
             microbatches=self.microbatches,
-            repeats=self._rounds(),
+            # (rounds left to the step where not given: one layer group a stage a round of
+            # the stack it meets, whose layers may be groups of blocks, Gemma 3's pairs)
+            repeats=self.repeats if self.schedule in _ROUNDS else 1,
             axis=_S,
             batch_axes=self.batch_axes,
             # With remat=: each tick recomputed whole (its layer's weights read inside it,
