@@ -72,6 +72,22 @@ ROWS: list[tuple[str, str, int, int, tuple[str, ...]]] = [
     ("llama2-70b", "v5p:4x4x2", 2, 256, ("--stage", "2", "--microbatches", "8")),
     ("llama2-70b", "v5p:4x4x2", 2, 512, ("--stage", "2", "--microbatches", "16")),
     ("llama2-70b", "v5p:4x4x2", 2, 1024, ("--stage", "2", "--microbatches", "32")),
+    # zero-bubble (its weight gradients recompute the layers) and interleaved 1F1B (one
+    # layer a stage a round: 40 rounds, the stored stack re-stacked by stage as circular's)
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        64,
+        ("--stage", "2", "--microbatches", "2", "--schedule", "zero-bubble"),
+    ),
+    (
+        "llama2-70b",
+        "v5p:4x4x2",
+        2,
+        64,
+        ("--stage", "2", "--microbatches", "2", "--schedule", "interleaved-1f1b"),
+    ),
     # 8 hosts of 8 H100s: stage 0 on hosts 0-3, stage 1 on hosts 4-7 (InfiniBand between).
     ("llama2-70b", "h100:8x8", 1, 64, ("--stage", "2", "--microbatches", "2")),
 ]

@@ -279,6 +279,24 @@ EXTENDED.update(
 )
 
 
+# The interleaved schedules: make test trains the decoder once by each (1F1B scanned under
+# stage x data, interleaved 1F1B as a list, zero-bubble scanned under stage x fsdp x tensor),
+# the MoE decoder by 1F1B with experts and context, Flax's model by zero-bubble and Flax's
+# Gemma by 1F1B; the other pairings run in make test-extended.
+EXTENDED.update(
+    {
+        **{
+            f"tests/test_schedules.py::test_decoder_trains_by_each_schedule_as_on_one_device[{k}]": "variant"
+            for k in ("1f1b-list-dims1", "interleaved-1f1b-scan-dims2", "zero-bubble-list-dims5")
+        },
+        **{
+            f"tests/test_flax_gemma.py::test_flax_gemma_trains_in_pipeline_stages_as_on_one_device[{k}]": "variant"
+            for k in ("gpipe", "zero-bubble", "interleaved-1f1b")
+        },
+    }
+)
+
+
 # ------------------------------------------------- what `make test-latest` runs beyond make test
 # make test-latest runs make test's suite on the newest jax/flax/optax (where float32 drift in
 # the equality tests was first seen) and, marked `latest`, these extended equality tests of the

@@ -112,7 +112,9 @@ class Report:
     ``stage_bytes_by_network`` the same by network (``(("dcn", bytes),
     ("ici", bytes))`` on a multi-slice topology; empty where the devices have
     no network model), ``pipeline_schedule`` the schedule in words and
-    ``bubble_fraction`` its idle fraction, ``(S - 1) / (R M + S - 1)`` (0
+    ``bubble_fraction`` its idle fraction, ``(S - 1) / (R M + S - 1)`` for
+    GPipe and circular, by the tick table for 1F1B, interleaved 1F1B and
+    zero-bubble (:attr:`dtensor.core.schedules.Schedule.bubble_fraction`; 0
     without a pipeline; set by the strategy that pipelined the step). The idle
     stages' computation is in the compiled program, so ``step_floor`` (its
     FLOPs at the chip's peak) includes the bubble.
