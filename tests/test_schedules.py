@@ -369,3 +369,36 @@ def test_the_guide_shows_each_schedule_s_tick_table_as_rendered():
         assert f"bubble {sched.bubble_fraction:.1%}" in title
         if "stage 0 holds" in title:
             assert f"stage 0 holds {sched.in_flight[0]} microbatches" in title
+
+
+def test_the_search_tries_the_schedules_and_prices_what_each_holds():
+    """--search enumerates 1F1B and interleaved 1F1B beside GPipe and circular (zero-bubble
+    only by name), and the analytic model holds 1F1B's activations flat in M where GPipe's
+    cover the batch, its bubble by the table, and its recomputed forward."""
+    from dtensor.analysis.hardware import CHIPS
+    from dtensor.tpu.estimate import estimate
+    from dtensor.tpu.plans import Plan, enumerate_plans
+    from tests.test_search import _facts
+
+    facts = _facts(params=2 * 10**9, layers=16, hidden=2048, ffn=8192, batch=64, seq=2048)
+    plans = enumerate_plans(facts, chips=8)
+    assert {p.schedule for p in plans if p.stage > 1} == {
+        "gpipe", "circular", "1f1b", "interleaved-1f1b",
+    }  # fmt: skip
+    chip = CHIPS["TPU v5 lite"]
+
+    def est(schedule, m, remat="full"):
+        return estimate(
+            Plan(fsdp=4, stage=2, microbatches=m, schedule=schedule, remat=remat), facts, chip
+        )
+
+    gpipe = [est("gpipe", m).activation_bytes for m in (4, 8, 16)]
+    one = [est("1f1b", m).activation_bytes for m in (4, 8, 16)]
+    assert one[0] == gpipe[0]  # M = 2S: every microbatch in flight either way
+    assert one[1] == pytest.approx(gpipe[1] / 2) and one[2] == pytest.approx(gpipe[2] / 4)
+    # the bubble by the table (1F1B's is GPipe's), and the recomputed forward even without remat
+    assert est("1f1b", 8).compute_seconds == pytest.approx(est("gpipe", 8).compute_seconds)
+    assert (
+        est("1f1b", 8, remat="none").compute_seconds > est("gpipe", 8, remat="none").compute_seconds
+    )
+    assert est("zero-bubble", 8).compute_seconds > est("1f1b", 8).compute_seconds
