@@ -402,3 +402,35 @@ def test_the_search_tries_the_schedules_and_prices_what_each_holds():
         est("1f1b", 8, remat="none").compute_seconds > est("gpipe", 8, remat="none").compute_seconds
     )
     assert est("zero-bubble", 8).compute_seconds > est("1f1b", 8).compute_seconds
+
+
+def test_1f1b_with_remat_and_mixed_precision_matches_the_unpipelined_preset():
+    """bfloat16 reads (MixedPrecision) and remat=(Block,) with the 1F1B loop: the losses and
+    each parameter's change as the same preset without stages (not float32 single-device:
+    bfloat16 rounds each microbatch's activations; tests/test_pipeline.py says by how much)."""
+    from tests.test_pipeline import EPS
+    from tests.test_decoder import _build as build_adam
+
+    cfg = CONFIGS["tiny"].replace(layers=8, scan=True)
+    batches = _batches(cfg, batch=16)
+    kw = {"remat": (Block,), "mixed_precision": strategies.MixedPrecision(), "min_shard_bytes": 0}
+    flat = strategies.HybridStrategy(2, 2, **kw)
+    with flat.scope():
+        model, opt = build_adam(cfg, eps=EPS)
+    start = jax.device_get(nnx.state(model, nnx.Param))
+    want = [float(flat.run(_sgd_step, args=(model, opt, b))) for b in batches]
+    want_params = jax.device_get(nnx.state(model, nnx.Param))
+    s = strategies.HybridStrategy(
+        1, 2, 2, stage=2, microbatches=4, schedule="1f1b", pipeline=(Block,),
+        rules=tensor_rules(cfg), **kw,
+    )  # fmt: skip
+    with s.scope():
+        model, opt = build_adam(cfg, eps=EPS)
+    got = [float(s.run(_sgd_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+    have = jax.device_get(nnx.state(model, nnx.Param))
+    for a, b, b0 in zip(
+        jax.tree.leaves(have), jax.tree.leaves(want_params), jax.tree.leaves(start), strict=True
+    ):
+        a, b, b0 = (np.asarray(x, np.float64) for x in (a, b, b0))
+        assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b - b0), a.shape
