@@ -484,16 +484,20 @@ def _run_list(
     split = _split_side((args, kwargs), rows)
     sides = _side_of(split)
     want = jax.tree.structure(x)
+    shapes = [np.shape(a) for a in jax.tree.leaves(x)]
+
+    def like_x(e: Any) -> bool:
+        return jax.tree.structure(e) == want and [np.shape(a) for a in jax.tree.leaves(e)] == shapes
 
     def form_of(out: Any) -> tuple[str, ...] | None:
         """Each entry of a block's return: ``"out"``, ``"none"`` or ``"scalar"``."""
-        if jax.tree.structure(out) == want:
+        if like_x(out):
             return None
         if not isinstance(out, tuple):
             return ("bad",)
         kinds = tuple(
             "none" if e is None
-            else "out" if jax.tree.structure(e) == want
+            else "out" if like_x(e)
             else "scalar" if all(not np.ndim(a) for a in jax.tree.leaves(e))
             else "bad"
             for e in out
