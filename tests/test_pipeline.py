@@ -453,7 +453,32 @@ def test_pipeline_benchmark_table_is_the_guide_s():
     rows = json.loads((root / "benchmarks" / "results" / "pipeline.json").read_text())["rows"]
     guide = " ".join((root / "docs" / "guides" / "large_models.md").read_text().split())
     assert " ".join(bench.markdown(rows).split()) in guide
-    two, four, circular, data, h100 = rows
+    by = {(r["global_batch"], r["options"], r["topology"]): r for r in rows}
+    base = "--stage 2 --microbatches"
+    two, four, circular, data, h100 = (
+        by[(64, f"{base} 2", "v5p:4x4x2")],
+        by[(64, f"{base} 4", "v5p:4x4x2")],
+        by[(64, f"{base} 2 --schedule circular", "v5p:4x4x2")],
+        by[(64, "--across-slices data", "v5p:4x4x2")],
+        by[(64, f"{base} 2", "h100:8x8")],
+    )
+    # 1F1B's activations flat in M (32-row microbatches, the batch growing with M) where
+    # GPipe's grow; zero-bubble's smaller bubble bought with a recomputed forward; the
+    # interleaved schedule under MaxText's peak.
+    flat = [
+        by[(32 * m, f"{base} {m} --schedule 1f1b", "v5p:4x4x2")]["peak_gib"] for m in (8, 16, 32)
+    ]
+    grows = [by[(32 * m, f"{base} {m}", "v5p:4x4x2")]["peak_gib"] for m in (8, 16, 32)]
+    assert max(flat) <= 1.05 * min(flat) and grows[2] > 1.5 * grows[0]
+    one = by[(64, f"{base} 2 --schedule 1f1b", "v5p:4x4x2")]
+    zb = by[(64, f"{base} 2 --schedule zero-bubble", "v5p:4x4x2")]
+    inter = by[(64, f"{base} 2 --schedule interleaved-1f1b", "v5p:4x4x2")]
+    assert one["peak_gib"] < two["peak_gib"] and one["bubble_fraction"] == pytest.approx(1 / 3)
+    assert zb["bubble_fraction"] < one["bubble_fraction"] and zb["floor_ms"] > one["floor_ms"]
+    assert inter["peak_gib"] < two["maxtext_peak_gib"] and inter["floor_bound"] == "DCN"
+    for r, text in ((flat, "30.59, 31.04 and 31.71 GiB"), (grows, "33.54, 40.52, 55.47 GiB")):
+        assert text.replace(" and", ",").split(" GiB")[0].split(", ") == [f"{x:.2f}" for x in r]
+        assert text in guide
     assert two["maxtext_peak_gib"] == 24.30 and data["maxtext_peak_gib"] == 42.77
     # MaxText's default schedule on our stored stack: 1 idle tick in 81, but the weights
     # re-stacked by stage over DCN every step (all-to-alls beside the stage permutes).
