@@ -408,8 +408,8 @@ def test_1f1b_with_remat_and_mixed_precision_matches_the_unpipelined_preset():
     """bfloat16 reads (MixedPrecision) and remat=(Block,) with the 1F1B loop: the losses and
     each parameter's change as the same preset without stages (not float32 single-device:
     bfloat16 rounds each microbatch's activations; tests/test_pipeline.py says by how much)."""
-    from tests.test_pipeline import EPS
     from tests.test_decoder import _build as build_adam
+    from tests.test_pipeline import EPS
 
     cfg = CONFIGS["tiny"].replace(layers=8, scan=True)
     batches = _batches(cfg, batch=16)
