@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class Schedule:
     microbatches: int
     rounds: int
     #: tick -> stage -> (microbatch, virtual stage) of each kind of op, or None
-    ops: tuple[tuple[tuple[object, object, object], ...], ...]
+    ops: tuple[tuple[tuple[Any, Any, Any], ...], ...]
     tables: dict[str, np.ndarray]
     #: per tick: the microbatch whose loss is taken (after its last forward), or -1
     loss_m: np.ndarray
@@ -233,12 +234,13 @@ def make_schedule(name: str, stages: int, microbatches: int, rounds: int = 1) ->
     fi, bi = [0] * S, [0] * S
     f_done: dict[tuple[int, int], int] = {}
     b_done: dict[tuple[int, int], int] = {}
-    rows: list[list[list[object]]] = []
+    rows: list[list[list[Any]]] = []
     t = 0
     while any(fi[s] < len(f_order[s]) or bi[s] < len(b_order[s]) for s in range(S)):
-        row: list[list[object]] = []
+        row: list[list[Any]] = []
         for s in range(S):
-            f = b = None
+            f: tuple[int, int] | None = None
+            b: tuple[int, int] | None = None
             if fi[s] < len(f_order[s]):
                 m, r = f_order[s][fi[s]]
                 v = r * S + s
@@ -274,7 +276,7 @@ def _tables(
     S: int,
     M: int,
     R: int,
-    rows: list[list[list[object]]],
+    rows: list[list[list[Any]]],
     f_done: dict[tuple[int, int], int],
     b_done: dict[tuple[int, int], int],
 ) -> Schedule:

@@ -98,6 +98,8 @@ class PipelinePlan:
     #: (record the blocks' call, stand in for them with their input) or ``"inject"`` (hand
     #: back ``injected`` as their output)
     mode: str | None = None
+    #: what runs in place of the blocks in those modes (pipeline_grad's ``stand_in``)
+    stand_in: Any = None
     injected: Any = None
     captured: list[Any] = dataclasses.field(default_factory=list)
 
@@ -107,9 +109,7 @@ class PipelinePlan:
 
     def run(self, layer_fn: Any, weights: Any, carry: Any, side: Any) -> Any:
         if self.mode is not None:  # a loss traced by strategies.reads.pipeline_grad
-            from strategies.reads import pipeline_grad
-
-            return pipeline_grad.stand_in(self, layer_fn, weights, carry, side)
+            return self.stand_in(self, layer_fn, weights, carry, side)
         self.runs += 1
         repeats = self.repeats
         if repeats is None:

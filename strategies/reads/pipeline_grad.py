@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from dtensor.core.interleaved import run_schedule
 from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
@@ -153,7 +153,7 @@ def _scheduled(
     queued = list(queue) if isinstance(queue, collections.deque) else None
 
     def call(values: list[Any]) -> tuple[Any, Any]:
-        if queued is not None:
+        if queued is not None and queue is not None:
             queue.clear()
             queue.extend(queued)
         out = fun(*jax.tree.unflatten(tree, values))
@@ -275,7 +275,7 @@ def _scheduled(
 
     def layer(w: Any, shared: Any, x: Any, sd: Any) -> Any:
         flat = jax.tree.leaves((w, x, sd))
-        return jax.tree.unflatten(cap.out_tree, jax.core.eval_jaxpr(cap.jaxpr, shared, *flat))
+        return jax.tree.unflatten(cap.out_tree, jaxpr_as_fun(ClosedJaxpr(cap.jaxpr, shared))(*flat))
 
     schedule = make_schedule(plan.schedule, S, M, R)
     plan.runs += 1
@@ -355,6 +355,7 @@ def scheduled_grads(plan: PipelinePlan) -> Iterator[None]:
         return
     saved = getattr(_local, "plan", None), jax.value_and_grad, jax.grad
     _local.plan = plan
+    plan.stand_in = stand_in
     jax.value_and_grad, jax.grad = _transform("value_and_grad"), _transform("grad")
     try:
         yield
