@@ -95,12 +95,14 @@ def test_schedules_refuse_what_they_cannot_run():
 
 
 # ------------------------------------------------------------------ the loop
+@pytest.mark.parametrize("keep", ["inputs", "residuals"])
 @pytest.mark.parametrize(
     ("name", "S", "R"), [("1f1b", 4, 1), ("zero-bubble", 4, 1), ("interleaved-1f1b", 2, 2)]
 )
-def test_loop_is_jax_grad_of_the_layers_run_in_order(name, S, R):
+def test_loop_is_jax_grad_of_the_layers_run_in_order(name, S, R, keep):
     """Weights, a shared input (its gradient summed over layers), side inputs, a scalar
-    the layers add to, and the loss's own parameter: each gradient as jax.grad's."""
+    the layers add to, and the loss's own parameter: each gradient as jax.grad's, whether a
+    stage keeps layer inputs (and recomputes the layers) or the vjp's residuals."""
     from dtensor import create_mesh
 
     L, B, D, M = 8, 16, 8, 8
@@ -138,7 +140,7 @@ def test_loop_is_jax_grad_of_the_layers_run_in_order(name, S, R):
 
         acc, dw, dsh, (dx, _), dside = run_schedule(
             layer, w, shared, (x, jnp.zeros(())), side, loss, (jnp.zeros(()), jnp.zeros_like(head)),
-            schedule=make_schedule(name, S, M, R), batch_axes=("data",),
+            schedule=make_schedule(name, S, M, R), batch_axes=("data",), keep=keep,
         )  # fmt: skip
         return acc[0], (dw, acc[1], dsh, dx, dside)
 
@@ -396,12 +398,14 @@ def test_the_search_tries_the_schedules_and_prices_what_each_holds():
     one = [est("1f1b", m).activation_bytes for m in (4, 8, 16)]
     assert one[0] == gpipe[0]  # M = 2S: every microbatch in flight either way
     assert one[1] == pytest.approx(gpipe[1] / 2) and one[2] == pytest.approx(gpipe[2] / 4)
-    # the bubble by the table (1F1B's is GPipe's), and the recomputed forward even without remat
-    assert est("1f1b", 8).compute_seconds == pytest.approx(est("gpipe", 8).compute_seconds)
-    assert (
-        est("1f1b", 8, remat="none").compute_seconds > est("gpipe", 8, remat="none").compute_seconds
-    )
-    assert est("zero-bubble", 8).compute_seconds > est("1f1b", 8).compute_seconds
+    # the bubble by the table (1F1B's is GPipe's), the recomputation as remat says; without
+    # remat the residuals of the microbatches in flight are kept (more than layer inputs)
+    for remat in ("full", "none"):
+        one, gpipe = est("1f1b", 8, remat), est("gpipe", 8, remat)
+        assert one.compute_seconds == pytest.approx(gpipe.compute_seconds)
+        assert est("zero-bubble", 8, remat).compute_seconds > one.compute_seconds
+        assert one.activation_bytes == pytest.approx(gpipe.activation_bytes / 2)
+    assert est("1f1b", 8, "none").activation_bytes > est("1f1b", 8, "full").activation_bytes
 
 
 def test_1f1b_with_remat_and_mixed_precision_matches_the_unpipelined_preset():

@@ -12,11 +12,12 @@ loop. The loss of a microbatch is taken the tick its last forward ends (the
 caller's ``loss``: the layers after the stack and the loss, on that
 microbatch), and its cotangent enters the last stage's backward next tick.
 
-What a stage keeps: each layer's input for the microbatches between their
-forward and backward (the stash), so a backward recomputes its layers from
-their inputs (as ``remat`` does) and the stash holds as many microbatches as the
-schedule has in flight (:attr:`Schedule.in_flight`), not ``M``. Gradients
-accumulate in place, one buffer per weight.
+What a stage keeps (the stash) for the microbatches between their forward and
+backward, as many as the schedule has in flight (:attr:`Schedule.in_flight`),
+not ``M``: each layer's input (``keep="inputs"``: a backward recomputes its
+layers, as ``remat`` does) or what JAX's vjp of each layer keeps, less the
+values computed from the weights alone (``keep="residuals"``: nothing is
+recomputed). Gradients accumulate in place, one buffer per weight.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from dtensor.core.pipeline import PIPELINE_SCOPE
 from dtensor.core.schedules import FROM_BATCH, FROM_LOSS, FROM_WIRE, Schedule
 
-__all__ = ["run_schedule", "vjp_inexact"]
+__all__ = ["reached_from", "run_schedule", "vjp_inexact"]
 
 _U = P.UNCONSTRAINED
 
@@ -70,6 +72,16 @@ def vjp_inexact(fn: Callable[..., Any], primals: tuple[Any, ...], wrt: Sequence[
         return jax.tree.unflatten(tree, [next(it) if k else None for k in mask])
 
     return out, pullback
+
+
+def reached_from(jaxpr: Any, marked_in: list[bool]) -> list[bool]:
+    """Which of ``jaxpr``'s outputs depend on the inputs marked ``marked_in`` (an equation's
+    outputs all do once any of its inputs does)."""
+    tainted = {v for v, m in zip(jaxpr.invars, marked_in, strict=True) if m}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in tainted for v in jaxpr.outvars]
 
 
 def _acc_zeros(tree: Any, lead: tuple[int, ...]) -> Any:
@@ -124,6 +136,7 @@ def run_schedule(
     schedule: Schedule,
     axis: str = "stage",
     batch_axes: Sequence[str] = (),
+    keep: str = "inputs",
 ) -> tuple[Any, Any, Any, Any, Any]:
     """A pipelined stack's forward and backward by ``schedule``'s tick table.
 
@@ -147,6 +160,11 @@ def run_schedule(
         schedule: the tick table (:func:`dtensor.core.schedules.make_schedule`).
         axis: the mesh axis of the stages.
         batch_axes: mesh axes the microbatch rows are split over.
+        keep: what a stage keeps of each layer between a microbatch's forward and its
+            backward: ``"inputs"`` (the layer's input; the backward recomputes the layer, as
+            ``remat`` does) or ``"residuals"`` (what JAX's vjp of the layer keeps, less the
+            values computed from the weights alone, which the backward recomputes: no
+            recomputation of the layer, more memory).
 
     Returns:
         ``(acc, d_weights, d_shared, d_inputs, d_side)``, each gradient shaped like its
@@ -209,6 +227,65 @@ def run_schedule(
     micro_side = jax.tree.map(to_micro, side)
     one = jax.tree.map(lambda a: jnp.zeros(np.shape(a)[1:], a.dtype), micro)  # a microbatch
 
+    side1 = jax.tree.map(lambda a: a[0], micro_side)
+    w1 = jax.tree.map(lambda w: w[0, 0, 0], stacked)
+
+    def whole_vjp(w: Any, x: Any, sd: Any) -> Any:
+        return jax.vjp(lambda w, sh, x, sd: layer_fn(w, sh, x, sd), w, shared, x, sd)
+
+    if keep == "residuals":
+        # Which of the vjp's residuals depend on the microbatch (kept) and which on the
+        # weights alone (recomputed in the backward tick, never stored per microbatch),
+        # traced as the tick traces them (over the stages, so shapes are the loop's).
+        def res_leaves(w: Any, x: Any, sd: Any) -> list[Any]:
+            return jax.tree.leaves(whole_vjp(w, x, sd)[1])
+
+        by_stage_args = jax.tree.map(
+            lambda a: jnp.broadcast_to(a, (S,) + np.shape(a)), (w1, one, side1)
+        )
+        staged_res = jax.vmap(res_leaves, spmd_axis_name=axis)
+        closed = jax.make_jaxpr(staged_res)(*by_stage_args)
+        n_w = len(jax.tree.leaves(w1))
+        n_x = len(jax.tree.leaves((one, side1)))
+        per_micro = reached_from(closed.jaxpr, [False] * n_w + [True] * n_x)
+        shapes = [v.aval for v in closed.jaxpr.outvars]
+        kept_template = [
+            jnp.zeros(a.shape[1:], a.dtype) for a, p in zip(shapes, per_micro, strict=True) if p
+        ]
+    elif keep == "inputs":
+        kept_template = one
+    else:
+        raise ValueError(f"run_schedule(keep={keep!r}): keep 'inputs' or 'residuals'.")
+
+    def save(w: Any, x: Any, sd: Any) -> tuple[Any, Any]:
+        """One layer's forward: its output and what the stage keeps for its backward."""
+        if keep == "inputs":
+            return layer_fn(w, shared, x, sd), x
+        y, f = whole_vjp(w, x, sd)
+        return y, [v for v, p in zip(jax.tree.leaves(f), per_micro, strict=True) if p]
+
+    def pullback(w: Any, kept: Any, sd: Any, wrt: tuple[bool, bool, bool, bool]) -> Any:
+        """``dy -> (dw, dshared, dx, dside)`` of one layer from what was kept (``None`` where
+        not floating or not asked for)."""
+        if keep == "inputs":  # the layer recomputed from its input
+            _, pull = vjp_inexact(layer_fn, (w, shared, kept, sd), wrt)
+            return pull
+        _, again = whole_vjp(w, jax.tree.map(jnp.zeros_like, one), sd)  # the weights' part
+        it = iter(kept)
+        leaves = [
+            next(it) if p else v for v, p in zip(jax.tree.leaves(again), per_micro, strict=True)
+        ]
+        f = jax.tree.unflatten(jax.tree.structure(again), leaves)  # this trace's pullback
+
+        def pull(dy: Any) -> Any:
+            cts = f(dy)
+            return tuple(
+                jax.tree.map(lambda c, a, on=on: c if on and _inexact(a) else None, ct, primal)
+                for ct, primal, on in zip(cts, (w, shared, one, sd), wrt, strict=True)
+            )
+
+        return pull
+
     def buffer(lead: tuple[int, ...], k: int) -> Any:
         if not k:
             return None
@@ -224,7 +301,13 @@ def run_schedule(
         post_dy=one,
         fin=buffer((slots["forward"],), slots["forward"]),
         bin=buffer((slots["backward"],), slots["backward"]),
-        stash=buffer((max(1, slots["stash"]), g), 1),
+        stash=jax.tree.map(
+            lambda a: constrain(
+                jnp.zeros((S, max(1, slots["stash"]), g) + np.shape(a), a.dtype),
+                (axis, None, None, batch_entry) if keep == "inputs" else (axis,),
+            ),
+            kept_template,
+        ),
         cot=buffer((slots["cotangent"], g), slots["cotangent"]) if split else None,
         dW=_acc_zeros(jax.tree.map(lambda w: w[0, 0, 0], stacked), (S, R, g)),
         dsh=_acc_zeros(shared, (S,)),
@@ -232,9 +315,6 @@ def run_schedule(
         d_in=_acc_zeros(one, (S, M)),
         acc=loss_init,
     )
-
-    def layer(w: Any, x: Any, sd: Any) -> Any:
-        return layer_fn(w, shared, x, sd)
 
     def forward(
         group: Any, fin: Any, got: Any, stash: Any, on: Any, m: Any, r: Any, src: Any, st: Any
@@ -248,13 +328,14 @@ def run_schedule(
         i = jnp.maximum(slot, 0)
 
         def body(carry: Any, j_w: Any) -> Any:
-            # Each layer's input straight into the stash (no [g, ...] copy of them first).
+            # What the layer's backward needs, straight into the stash (no [g, ...] copy).
             x, stash = carry
             j, w = j_w
+            y, kept = save(w, x, sd)
             stash = jax.tree.map(
-                lambda b, v: b.at[i, j].set(jnp.where(slot >= 0, v, b[i, j])), stash, x
+                lambda b, v: b.at[i, j].set(jnp.where(slot >= 0, v, b[i, j])), stash, kept
             )
-            return (layer(w, x, sd), stash), None
+            return (y, stash), None
 
         (y, stash), _ = jax.lax.scan(body, (x, stash), (jnp.arange(g), _take(group, r)))
         return y, stash
@@ -279,11 +360,11 @@ def run_schedule(
         def body(carry: Any, j_w: Any) -> Any:
             dy, dW, a_sh, a_sd, cot = carry
             j, w = j_w
-            x = jax.tree.map(lambda b: b[j], xs)
-            # The layer's forward recomputed from its input, and its vjp: with respect to
-            # the input alone under zero-bubble (the weights' later, in W).
-            _, pull = vjp_inexact(layer_fn, (w, shared, x, sd), (not split, not split, True, True))
-            dw, d_sh, dx, d_sd = pull(dy)
+            kept = jax.tree.map(lambda b: b[j], xs)
+            # The layer's vjp from what was kept (its forward recomputed from its input, or
+            # its residuals): with respect to the input alone under zero-bubble (the
+            # weights' later, in W).
+            dw, d_sh, dx, d_sd = pullback(w, kept, sd, (not split, not split, True, True))(dy)
             if split:  # the layer's output cotangent, kept for its weight gradient
                 cot = jax.tree.map(
                     lambda b, v: b.at[i, j].set(jnp.where(slot >= 0, v, b[i, j])), cot, dy
@@ -326,9 +407,8 @@ def run_schedule(
         def body(carry: Any, j_w: Any) -> Any:
             dW, a_sh = carry
             j, w = j_w
-            x, dy = jax.tree.map(lambda b: b[j], xs), jax.tree.map(lambda b: b[j], dys)
-            _, pull = vjp_inexact(layer_fn, (w, shared, x, sd), (True, True, False, False))
-            dw, d_sh, _, _ = pull(dy)
+            kept, dy = jax.tree.map(lambda b: b[j], xs), jax.tree.map(lambda b: b[j], dys)
+            dw, d_sh, _, _ = pullback(w, kept, sd, (True, True, False, False))(dy)
             return (add_at(dW, r, j, dw, on), jax.tree.map(jnp.add, a_sh, d_sh)), None
 
         (dW, d_sh), _ = jax.lax.scan(

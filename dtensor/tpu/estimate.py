@@ -199,9 +199,11 @@ def estimate(
     }.get(plan.remat, cb * (d / sp + d + hq + 2 * hkv + 2 * f))
     activations = tokens * (L / s) * saved
     table = _interleaved(plan, L)
-    if table is not None:  # layer inputs of the microbatches in flight, whatever remat says
+    if table is not None:  # what a stage keeps of the microbatches in flight: layer inputs
+        # under remat, the layers' residuals without (dtensor.core.interleaved, keep=)
         held = max(table.in_flight) / (table.microbatches * table.rounds)
-        activations = tokens * held * (L / s) * cb * d / sp
+        kept = cb * d / sp if plan.remat != "none" else everything
+        activations = tokens * held * (L / s) * kept
     kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
     logits = logits_bytes(plan, facts, cb)
@@ -215,8 +217,11 @@ def estimate(
     head = min(6.0 * facts.vocab * d * tokens_all, mf - att)
     # the recomputed forward pass: a third of the layers' matmuls (XLA's attention's too)
     again = 1 / 3 if plan.remat == "full" else 0.0
-    if table is not None:  # the backward ticks recompute their layers (zero-bubble's W too)
-        again = 2 / 3 if table.name == "zero-bubble" else 1 / 3
+    if table is not None:  # under remat the backward ticks recompute their layers; zero-
+        # bubble's weight-gradient ticks run the layers' backward chain again besides
+        again = (1 / 3 if plan.remat != "none" else 0.0) + (
+            1 / 3 if table.name == "zero-bubble" else 0.0
+        )
     flops = (mf - att - head) * (1 + again) + head
     if plan.loss_chunks > 1 and plan.loss_tiling == "vocab":
         flops += head / 3  # the logits recomputed in the backward pass

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
-from dtensor.core.interleaved import run_schedule
+from dtensor.core.interleaved import reached_from, run_schedule
 from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
 from strategies.reads.pipeline import PipelineError, PipelinePlan
 
@@ -118,15 +118,6 @@ def _used_inputs(jaxpr: Any, used_out: list[bool]) -> list[bool]:
         if any(v in live for v in eqn.outvars) or eqn.effects:
             live.update(v for v in eqn.invars if not isinstance(v, Literal))
     return [v in live for v in jaxpr.invars]
-
-
-def _reached_from(jaxpr: Any, marked_in: list[bool]) -> list[bool]:
-    """Which of ``jaxpr``'s outputs depend on the inputs marked ``marked_in``."""
-    tainted = {v for v, m in zip(jaxpr.invars, marked_in, strict=True) if m}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
-            tainted.update(eqn.outvars)
-    return [not isinstance(v, Literal) and v in tainted for v in jaxpr.outvars]
 
 
 def _cotangent(value: Any, ct: Any) -> Any:
@@ -242,7 +233,7 @@ def _scheduled(
         if u and jnp.issubdtype(jnp.result_type(d_leaves[i]), jnp.inexact)
     ]
     aux_leaves, aux_tree = jax.tree.flatten(aux_whole)
-    per_micro = _reached_from(jaxpr, [False] * n_d + [True] * (n_y + len(cut_struct)))[1:]
+    per_micro = reached_from(jaxpr, [False] * n_d + [True] * (n_y + len(cut_struct)))[1:]
 
     def loss_fn(y: Any, m: Any, acc: Any) -> tuple[Any, Any]:
         total, d_live, aux_buf = acc
@@ -282,6 +273,7 @@ def _scheduled(
     (total, d_live, aux_buf), d_w, d_consts, d_carry, d_side = run_schedule(
         layer, weights, consts_in, carry, side, loss_fn, acc0,
         schedule=schedule, axis=plan.axis, batch_axes=plan.batch_axes,
+        keep="inputs" if plan.remat else "residuals",
     )  # fmt: skip
 
     # 3. Back before the blocks.
