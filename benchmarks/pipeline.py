@@ -1,5 +1,8 @@
 """Pipelines: ``HybridStrategy(stage=S)`` across slices (and hosts), compiled ahead of time.
 
+Every schedule: GPipe, circular, 1F1B (at 8, 16 and 32 microbatches of 32 rows beside
+GPipe's, to show what each holds as ``M`` grows), interleaved 1F1B and zero-bubble.
+
     python -m benchmarks.pipeline [--rows 0,1] [--out DIR]
     python -m benchmarks.pipeline --markdown      # the guide's table, from the results file
 
