@@ -359,6 +359,12 @@ EXTENDED.update(
             "tests/multiprocess/test_launch.py::test_a_picked_port_taken_before_the_coordinator"
             "_starts_is_picked_again",
             "tests/test_pipeline.py::test_preemption_handler_resumes_a_pipelined_run",
+            # four one-device processes (two of two devices keep the runtime's collectives),
+            # MultiWorkerMirrored per process on one device each (fully_sharded's per-process
+            # feed and MultiWorkerMirrored's global one)
+            "tests/multiprocess/test_runtime.py::test_global_sum_and_barrier_through_launcher[4-1]",
+            "tests/multiprocess/test_strategies_multiprocess.py::test_preset_across_processes"
+            "_matches_single_process[multi_worker_mirrored-per_process-2-1]",
         )
     }
 )

@@ -212,7 +212,8 @@ def test_decoder_trains_by_each_schedule_as_on_one_device(schedule, layers, dims
 def test_moe_decoder_with_experts_and_context_inside_1f1b_stages_trains_as_on_one_device():
     """stage x expert x context: the experts' all-to-alls and the context's gathers inside
     each stage's ticks, the MoE load-balancing loss per microbatch (the mean of each
-    microbatch's, as every pipeline schedule takes it: tests/test_compose.py)."""
+    microbatch's, as every pipeline schedule takes it: tests/test_compose.py); with remat,
+    so the stages keep layer inputs and recompute (the other decoder tests keep residuals)."""
     from tests.test_compose import _micro_aux_loss
 
     cfg = CONFIGS["tiny-moe"].replace(layers=4, scan=True)
@@ -224,7 +225,7 @@ def test_moe_decoder_with_experts_and_context_inside_1f1b_stages_trains_as_on_on
     want_params = jax.device_get(nnx.state(model, nnx.Param))
     s = strategies.HybridStrategy(
         1, stage=2, expert=2, context=2, microbatches=4, schedule="1f1b",
-        pipeline=(Block,), min_shard_bytes=0,
+        pipeline=(Block,), min_shard_bytes=0, remat=(Block,),  # layer inputs kept
     )  # fmt: skip
     with s.scope():
         model, opt = _build(cfg)
