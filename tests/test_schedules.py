@@ -182,6 +182,22 @@ def _per_tensor(got, want, rtol=1e-5):
         )
 
 
+def _loops_run(monkeypatch):
+    """The schedules whose loop the strategy runs, in order (GPipe's transposed loop, a
+    fallback, would train to the same numbers)."""
+    from strategies.reads import pipeline_grad
+
+    ran: list[str] = []
+    loop = pipeline_grad.run_schedule
+
+    def spy(*args, **kw):
+        ran.append(kw["schedule"].name)
+        return loop(*args, **kw)
+
+    monkeypatch.setattr(pipeline_grad, "run_schedule", spy)
+    return ran
+
+
 @pytest.mark.parametrize(
     ("schedule", "layers", "dims"),
     [
@@ -193,7 +209,8 @@ def _per_tensor(got, want, rtol=1e-5):
         ("zero-bubble", "list", {"stage": 4, "data": 2}),
     ],
 )
-def test_decoder_trains_by_each_schedule_as_on_one_device(schedule, layers, dims):
+def test_decoder_trains_by_each_schedule_as_on_one_device(schedule, layers, dims, monkeypatch):
+    ran = _loops_run(monkeypatch)
     cfg = CONFIGS["tiny"].replace(layers=8, scan=layers == "scan")
     batches = _batches(cfg, batch=16)
     want, want_params = _one_device(cfg, batches)
@@ -204,6 +221,7 @@ def test_decoder_trains_by_each_schedule_as_on_one_device(schedule, layers, dims
     with s.scope():
         model, opt = _build(cfg)
     got = [float(s.run(_sgd_step, args=(model, opt, b))) for b in batches]
+    assert ran == [schedule]  # traced once, run three times
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[-1] < got[0]
     _per_tensor(jax.device_get(nnx.state(model, nnx.Param)), want_params)
@@ -439,3 +457,27 @@ def test_1f1b_with_remat_and_mixed_precision_matches_the_unpipelined_preset():
     ):
         a, b, b0 = (np.asarray(x, np.float64) for x in (a, b, b0))
         assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b - b0), a.shape
+
+
+def test_nnx_grad_without_the_value_takes_the_schedule_too(monkeypatch):
+    """``nnx.grad`` (jax.grad underneath, no value) of the unchanged loss under 1F1B runs the
+    schedule's loop (not GPipe's transposed one, which would give the same numbers): the
+    parameters after an SGD step as single-device JAX's, tensor by tensor."""
+    ran = _loops_run(monkeypatch)
+    cfg = CONFIGS["tiny"].replace(layers=4, scan=True)
+    batch = _batches(cfg, n=1, batch=8)[0]
+
+    def step(model, optimizer, batch):
+        optimizer.update(model, nnx.grad(loss_fn)(model, batch))
+
+    model, opt = _build(cfg)
+    nnx.jit(step)(model, opt, batch)
+    want = jax.device_get(nnx.state(model, nnx.Param))
+    s = strategies.HybridStrategy(
+        2, stage=2, microbatches=4, schedule="1f1b", pipeline=(Block,), min_shard_bytes=0
+    )
+    with s.scope():
+        model, opt = _build(cfg)
+    s.run(step, args=(model, opt, batch))
+    assert ran == ["1f1b"]
+    _per_tensor(jax.device_get(nnx.state(model, nnx.Param)), want)
