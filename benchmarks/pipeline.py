@@ -28,6 +28,13 @@ from typing import Any
 
 from . import common
 
+
+def _staged(microbatches: int, schedule: str | None = None) -> tuple[str, ...]:
+    """``train.py``'s arguments for two stages of ``microbatches`` (and a schedule)."""
+    args = ("--stage", "2", "--microbatches", str(microbatches))
+    return args + (("--schedule", schedule) if schedule else ())
+
+
 #: ``(size, topology, slices, global batch, extra train.py arguments)``.
 ROWS: list[tuple[str, str, int, int, tuple[str, ...]]] = [
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--stage", "2", "--microbatches", "2")),
@@ -42,55 +49,15 @@ ROWS: list[tuple[str, str, int, int, tuple[str, ...]]] = [
         ("--stage", "2", "--microbatches", "2", "--schedule", "circular"),
     ),
     ("llama2-70b", "v5p:4x4x2", 2, 64, ("--across-slices", "data")),
-    # 1F1B (forward and backward interleaved, ~2S microbatches held): the same batch, and
-    # 32-row microbatches at M = 8, 16, 32 (the batch grows with M) beside GPipe's.
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        64,
-        ("--stage", "2", "--microbatches", "2", "--schedule", "1f1b"),
-    ),
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        256,
-        ("--stage", "2", "--microbatches", "8", "--schedule", "1f1b"),
-    ),
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        512,
-        ("--stage", "2", "--microbatches", "16", "--schedule", "1f1b"),
-    ),
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        1024,
-        ("--stage", "2", "--microbatches", "32", "--schedule", "1f1b"),
-    ),
-    ("llama2-70b", "v5p:4x4x2", 2, 256, ("--stage", "2", "--microbatches", "8")),
-    ("llama2-70b", "v5p:4x4x2", 2, 512, ("--stage", "2", "--microbatches", "16")),
-    ("llama2-70b", "v5p:4x4x2", 2, 1024, ("--stage", "2", "--microbatches", "32")),
-    # zero-bubble (its weight gradients recompute the layers) and interleaved 1F1B (one
-    # layer a stage a round: 40 rounds, the stored stack re-stacked by stage as circular's)
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        64,
-        ("--stage", "2", "--microbatches", "2", "--schedule", "zero-bubble"),
-    ),
-    (
-        "llama2-70b",
-        "v5p:4x4x2",
-        2,
-        64,
-        ("--stage", "2", "--microbatches", "2", "--schedule", "interleaved-1f1b"),
-    ),
+    # 1F1B (forward and backward interleaved, ~2S microbatches held) on the same batch; then
+    # 32-row microbatches at M = 8, 16, 32 (the batch grows with M), 1F1B's beside GPipe's;
+    # zero-bubble (its weight gradients run the layers' backward again) and interleaved 1F1B
+    # (one layer a stage a round: 40 rounds, the stored stack re-stacked by stage as circular's).
+    ("llama2-70b", "v5p:4x4x2", 2, 64, _staged(2, "1f1b")),
+    *(("llama2-70b", "v5p:4x4x2", 2, 32 * m, _staged(m, "1f1b")) for m in (8, 16, 32)),
+    *(("llama2-70b", "v5p:4x4x2", 2, 32 * m, _staged(m)) for m in (8, 16, 32)),
+    ("llama2-70b", "v5p:4x4x2", 2, 64, _staged(2, "zero-bubble")),
+    ("llama2-70b", "v5p:4x4x2", 2, 64, _staged(2, "interleaved-1f1b")),
     # 8 hosts of 8 H100s: stage 0 on hosts 0-3, stage 1 on hosts 4-7 (InfiniBand between).
     ("llama2-70b", "h100:8x8", 1, 64, ("--stage", "2", "--microbatches", "2")),
 ]

@@ -297,19 +297,26 @@ def _tables(
     cot = [_Slots() for _ in range(S)]
     split = name == "zero-bubble"
     w_tick = {op: t for t, row in enumerate(rows) for s, (_, _, op) in enumerate(row) if op}
+
+    def route(
+        src: str, arrival: str, slots: _Slots, s: int, sent: int, t: int, direct: int
+    ) -> None:
+        """An input sent at tick ``sent`` and used at ``t`` on stage ``s``: taken as it
+        arrives (``direct``), or kept in a buffer slot from its arrival to its use."""
+        if sent + 1 == t:
+            tab[src][t, s] = direct
+            return
+        k = slots.take(sent + 1, t)
+        tab[arrival][sent + 1, s] = k
+        tab[src][t, s] = k
+
     for (m, v), t in sorted(f_done.items(), key=lambda kv: kv[1]):
         s, r = v % S, v // S
         tab["f_on"][t, s], tab["f_m"][t, s], tab["f_r"][t, s] = 1, m, r
         if v == 0:
             tab["f_src"][t, s] = FROM_BATCH
         else:
-            sent = f_done[(m, v - 1)]
-            if sent + 1 == t:
-                tab["f_src"][t, s] = FROM_WIRE
-            else:  # waits in the forward-input buffer from its arrival to its use
-                k = fin[s].take(sent + 1, t)
-                tab["fa_slot"][sent + 1, s] = k
-                tab["f_src"][t, s] = k
+            route("f_src", "fa_slot", fin[s], s, f_done[(m, v - 1)], t, FROM_WIRE)
         freed = w_tick[(m, v)] if split else b_done[(m, v)]
         tab["f_stash"][t, s] = stash[s].take(t, freed)
         if v == V - 1:
@@ -319,22 +326,10 @@ def _tables(
         tab["b_on"][t, s], tab["b_m"][t, s], tab["b_r"][t, s] = 1, m, r
         tab["b_stash"][t, s] = tab["f_stash"][f_done[(m, v)], s]
         tab["b_first"][t, s] = int(v == 0)
-        if v == V - 1:
-            sent = f_done[(m, v)]
-            if sent + 1 == t:
-                tab["b_src"][t, s] = FROM_LOSS
-            else:
-                k = bin_[s].take(sent + 1, t)
-                tab["pa_slot"][sent + 1, s] = k
-                tab["b_src"][t, s] = k
+        if v == V - 1:  # the loss's cotangent, from the tick after the last forward
+            route("b_src", "pa_slot", bin_[s], s, f_done[(m, v)], t, FROM_LOSS)
         else:
-            sent = b_done[(m, v + 1)]
-            if sent + 1 == t:
-                tab["b_src"][t, s] = FROM_WIRE
-            else:
-                k = bin_[s].take(sent + 1, t)
-                tab["ba_slot"][sent + 1, s] = k
-                tab["b_src"][t, s] = k
+            route("b_src", "ba_slot", bin_[s], s, b_done[(m, v + 1)], t, FROM_WIRE)
         if split:
             tw = w_tick[(m, v)]
             tab["w_on"][tw, s], tab["w_m"][tw, s], tab["w_r"][tw, s] = 1, m, r
