@@ -47,7 +47,17 @@ def _inexact(a: Any) -> bool:
 def vjp_inexact(fn: Callable[..., Any], primals: tuple[Any, ...], wrt: Sequence[bool]) -> Any:
     """``jax.vjp`` of ``fn(*primals)`` with respect to the floating leaves of the
     arguments marked in ``wrt``: ``(out, pullback)``, ``pullback(ct)`` giving a tuple shaped
-    like ``primals`` with ``None`` for every leaf not differentiated."""
+    like ``primals`` with ``None`` for every leaf not differentiated.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from dtensor.core.interleaved import vjp_inexact
+        >>> primals = (jnp.float32(3.0), jnp.int32(2))
+        >>> out, pull = vjp_inexact(lambda w, i: w * i, primals, (True, True))
+        >>> dw, di = pull(jnp.float32(1.0))
+        >>> float(dw), di
+        (2.0, None)
+    """
     flat, tree = jax.tree.flatten(primals)
     masks = [
         jax.tree.map(lambda a, w=w: bool(w) and _inexact(a), p)
@@ -76,7 +86,15 @@ def vjp_inexact(fn: Callable[..., Any], primals: tuple[Any, ...], wrt: Sequence[
 
 def reached_from(jaxpr: Any, marked_in: list[bool]) -> list[bool]:
     """Which of ``jaxpr``'s outputs depend on the inputs marked ``marked_in`` (an equation's
-    outputs all do once any of its inputs does)."""
+    outputs all do once any of its inputs does).
+
+    Examples:
+        >>> import jax
+        >>> from dtensor.core.interleaved import reached_from
+        >>> jaxpr = jax.make_jaxpr(lambda a, b: (a + 1, b * 2))(1.0, 2.0).jaxpr
+        >>> reached_from(jaxpr, [True, False])
+        [True, False]
+    """
     tainted = {v for v, m in zip(jaxpr.invars, marked_in, strict=True) if m}
     for eqn in jaxpr.eqns:
         if any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
@@ -169,6 +187,21 @@ def run_schedule(
     Returns:
         ``(acc, d_weights, d_shared, d_inputs, d_side)``, each gradient shaped like its
         argument (``None`` at leaves that are not floating).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, dtensor
+        >>> from dtensor.core.interleaved import run_schedule
+        >>> from dtensor.core.schedules import make_schedule
+        >>> w, x = jnp.full((4,), 2.0), jnp.ones((8, 3))  # 4 layers, each multiplies by 2
+        >>> def loss(y, m, total):  # each microbatch's mean, averaged over the 4
+        ...     return jnp.full_like(y, 1 / (4 * y.size)), total + y.mean() / 4
+        >>> def grads(w, x):
+        ...     return run_schedule(lambda w, sh, x, sd: x * w, w, None, x, None, loss,
+        ...                         jnp.zeros(()), schedule=make_schedule("1f1b", 2, 4))
+        >>> with dtensor.create_mesh([("stage", 2), ("data", 4)]):
+        ...     total, dw, _, dx, _ = jax.jit(grads)(w, x)
+        >>> float(total), dw.tolist(), round(float(dx[0, 0]), 4)  # 2**4; 2**3 each; 16/24
+        (16.0, [8.0, 8.0, 8.0, 8.0], 0.6667)
     """
     S, M, R = schedule.stages, schedule.microbatches, schedule.rounds
     layers = {int(np.shape(a)[0]) for a in jax.tree.leaves(weights)}
