@@ -396,16 +396,23 @@ def settle(
         )
         if me != i:
             message += f" Stopping {who(me)} with exit status {EXIT_PEER_LOST}."
-        with contextlib.suppress(Exception):
-            client.key_value_set(f"{_PREFIX}gone/{me}", "1", allow_overwrite=True)
-        if me == 0:  # the store goes with process 0: let the others read the results first
-            end = time.monotonic() + 5
-            for k in range(1, n):
-                with contextlib.suppress(Exception):
-                    client.blocking_key_value_get(
-                        f"{_PREFIX}gone/{k}", max(1, int((end - time.monotonic()) * 1000))
-                    )
-        peers.die(message, 1 if me == i else EXIT_PEER_LOST)
+        code = 1 if me == i else EXIT_PEER_LOST
+        if me != 0:
+            # The store goes with process 0, and JAX aborts (SIGABRT) a process that is still
+            # connected when it does: say so only once this process's line is out, exiting.
+            peers.die(
+                message,
+                code,
+                then=lambda: client.key_value_set(f"{_PREFIX}gone/{me}", "1", allow_overwrite=True),
+            )
+        end = time.monotonic() + 5
+        for k in range(1, n):
+            with contextlib.suppress(Exception):
+                client.blocking_key_value_get(
+                    f"{_PREFIX}gone/{k}", max(1, int((end - time.monotonic()) * 1000))
+                )
+        time.sleep(0.5)  # their os._exit follows their "gone" at once
+        peers.die(message, code)
     placement = Placement(me, address, how, tuple(hosts), tuple(final))
     _chosen[:] = [placement]
     return placement

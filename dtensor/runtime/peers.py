@@ -39,6 +39,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,20 @@ def _claim(code: int, within_s: float) -> None:
     watchdog.exit_after(within_s, code)
 
 
-def die(message: str, code: int = EXIT_PEER_LOST, *, claimed: bool = False) -> None:
-    """Print ``message`` as one line on stderr and end this process now (no atexit, no barrier)."""
+def die(
+    message: str,
+    code: int = EXIT_PEER_LOST,
+    *,
+    claimed: bool = False,
+    then: Callable[[], object] | None = None,
+) -> None:
+    """Print ``message`` as one line on stderr and end this process now (no atexit, no barrier).
+
+    ``then`` runs after the line is out and just before the exit (within the
+    same forced-exit bound): e.g. telling the coordinator this process is done
+    with the store, so that its exit, which aborts the others, comes only after
+    this process's line and status are settled.
+    """
     if not claimed:
         _claim(code, _FLUSH_S)
     try:
@@ -99,6 +112,9 @@ def die(message: str, code: int = EXIT_PEER_LOST, *, claimed: bool = False) -> N
             sys.stdout.flush()
             sys.stderr.flush()
         watchdog.write_line(message)
+        if then is not None:
+            with contextlib.suppress(Exception):
+                then()
     finally:
         os._exit(code)
 
