@@ -48,16 +48,43 @@ jax.config.update("jax_num_cpu_devices", 8)
 # The processes the tests start (the demo, dtensor.launch workers, notebooks' kernels) compile
 # the same CPU programs again and again: JAX's persistent compilation cache, one directory per
 # run, shared by the xdist workers' children (a process reads it from the environment when it
-# imports jax). Not in the test processes themselves: their TPU/GPU compiles for libtpu/XLA:GPU
-# topologies cannot be read back from the cache without a device client (JAX warns and compiles
-# again), so whether a test warned would depend on which test compiled the same program first.
+# imports jax). In the test processes themselves only for CPU compiles: their TPU/GPU compiles
+# for libtpu/XLA:GPU topologies cannot be read back from the cache without a device client (JAX
+# warns and compiles again), so whether a test warned would depend on which test compiled the
+# same program first.
 # Removed at exit by whoever made it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dtensor-tests-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", None)  # this process: no persistent cache
+
+def _cpu_compiles_only() -> None:
+    """This process's CPU compiles share the run's cache too; its TPU and GPU compiles do not.
+
+    Many tests compile the same CPU programs (a single-device reference step, a preset's
+    step of the same model) in different modules and xdist workers. JAX decides whether
+    to use the cache once per process, not per backend: the check is wrapped so that only
+    the CPU client's compiles read and write it (none where this JAX lacks the hook).
+    """
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        jax.config.update("jax_compilation_cache_dir", None)
+        return
+    used = getattr(compilation_cache, "is_cache_used", None)
+    if used is None or getattr(used, "_dtensor_cpu_only", False):
+        return
+
+    def is_cache_used(backend) -> bool:
+        return getattr(backend, "platform", None) == "cpu" and used(backend)
+
+    is_cache_used._dtensor_cpu_only = True  # type: ignore[attr-defined]
+    compilation_cache.is_cache_used = is_cache_used
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+_cpu_compiles_only()
 
 # Scripts that tests start as real processes are not test modules (and set up JAX
 # their own way at import): keep them out of collection, doctests included.
