@@ -13,8 +13,39 @@ VOCAB = 128  # ASCII; anything else becomes '?'
 
 
 def build_corpus(max_chars: int = 1_500_000) -> str:
-    """Docstrings, then source, of the standard library's modules (sorted, so the same everywhere)."""
+    """Docstrings, then source, of the standard library's modules (sorted, so the same everywhere).
+
+    Parsing the standard library takes a few seconds: the text is kept in the temporary
+    directory, one file per interpreter, standard library and size (written beside, then
+    renamed, so a run that stops midway leaves none), and read back by the next run.
+    """
+    import hashlib
+    import os
+    import sys
+    import tempfile
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(f"{sys.version}|{stdlib}|{max_chars}|1".encode()).hexdigest()[:16]
+    kept = Path(tempfile.gettempdir()) / f"dtensor-demo-corpus-{key}.txt"
+    try:  # its first line: the text's length (a damaged file is parsed again)
+        with open(kept, encoding="utf-8", newline="") as f:
+            length, text = int(f.readline()), f.read()
+        if len(text) == length:
+            return text
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    corpus = _parse_corpus(stdlib, max_chars)
+    beside = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+    try:
+        with open(beside, "w", encoding="utf-8", newline="") as f:
+            f.write(f"{len(corpus)}\n{corpus}")
+        os.replace(beside, kept)
+    except OSError:  # a read-only temporary directory: parse again next time
+        beside.unlink(missing_ok=True)
+    return corpus
+
+
+def _parse_corpus(stdlib: Path, max_chars: int) -> str:
     files = sorted(f for f in stdlib.glob("*.py") if not f.name.startswith("_"))
     docs: list[str] = []
     sources: list[str] = []
