@@ -241,9 +241,14 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     return p.parse_args(argv)
 
 
-def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None):
+def build_strategy(
+    args: argparse.Namespace, devices, block_cls=None, rules=None, *, decoder: bool | None = None
+):
     """The preset named by ``--strategy`` over ``devices``, with the options it takes
-    (``rules``: the model's tensor-parallel rules, for ``hybrid`` with ``--tensor`` > 1).
+    (``block_cls``: the model's block, for ``remat=`` and ``pipeline=``; ``rules``: the
+    model's tensor-parallel rules, for ``hybrid`` with ``--tensor`` > 1; ``decoder``:
+    whether the model is examples/decoder.py's, which takes ``dtype``/``remat``/attention
+    changes of its own; by default, whether a block class is given).
 
     Returns ``(strategy, model_changes, applied)``: options the preset does not take
     fall back to the decoder's own (``dtype``/``remat``) where it has them, else are
@@ -259,13 +264,14 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     wanted: dict[str, object] = {}
     applied: dict[str, str] = {}
     model_changes: dict[str, object] = {}
-    decoder = block_cls is not None
-    if getattr(args, "attention", None) and decoder:
-        model_changes["attention"] = args.attention
-    if getattr(args, "loss_chunks", None) and decoder:
-        model_changes["loss_chunks"] = args.loss_chunks
-    if getattr(args, "loss_tiling", None) and decoder:
-        model_changes["loss_tiling"] = args.loss_tiling
+    if decoder is None:
+        decoder = block_cls is not None
+    for option in ("attention", "loss_chunks", "loss_tiling"):
+        if getattr(args, option, None):
+            if decoder:
+                model_changes[option] = getattr(args, option)
+            else:
+                applied[option] = "not available"
     if args.mixed_precision in ("bf16", "bf16-compute"):
         if accepts(cls, "mixed_precision") and hasattr(strategies, "MixedPrecision"):
             extra = {"module_dtype": True} if args.mixed_precision == "bf16-compute" else {}
@@ -281,7 +287,7 @@ def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None
     if args.remat:
         # The preset's remat=(Block,) and the decoder's own nnx.remat compile to the same
         # program (same peak on v5e:2x2); --model-remat asks for the decoder's.
-        if accepts(cls, "remat") and decoder and not args.model_remat:
+        if accepts(cls, "remat") and block_cls is not None and not args.model_remat:
             wanted["remat"] = (block_cls,)
             applied["remat"] = "strategy"
         elif decoder:

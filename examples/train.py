@@ -38,6 +38,7 @@ without a cloud account against ``gcp-storage-emulator``; see the README).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -70,7 +71,10 @@ LAST_OPTIONS: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------- model
+@functools.cache
 def make_model_cls():
+    """The character-level model's class (one class a process: ``CharLM.Block`` is what
+    ``remat=`` and ``pipeline=`` name, so a second build must not make another)."""
     import jax
     from flax import nnx
 
@@ -110,6 +114,7 @@ def make_model_cls():
                 h = block(h, mask)
             return self.head(self.ln(h))
 
+    CharLM.Block = Block  # the block class: what remat= and pipeline= name
     return CharLM
 
 
@@ -148,9 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return _options.parse_args(argv, description=__doc__)
 
 
-def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None):
+def build_strategy(args: argparse.Namespace, devices, block_cls=None, rules=None, **kwargs):
     """The preset named by ``--strategy``: see ``examples/options.py``."""
-    return _options.build_strategy(args, devices, block_cls, rules=rules)
+    return _options.build_strategy(args, devices, block_cls, rules=rules, **kwargs)
 
 
 def aot_step(argv: list[str], *, devices):
@@ -166,8 +171,9 @@ def aot_step(argv: list[str], *, devices):
     rules = None
     if decoder is not None:
         rules = decoder.tensor_rules(decoder.CONFIGS[args.model_size].replace(scan=args.scan))
+    block = decoder.Block if decoder else make_model_cls().Block
     strategy, changes, applied = build_strategy(
-        args, devices, decoder.Block if decoder else None, rules=rules
+        args, devices, block, rules=rules, decoder=decoder is not None
     )
     LAST_OPTIONS.clear()
     LAST_OPTIONS.update(applied)
@@ -225,6 +231,81 @@ def search_facts(argv: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------- main
+#: The options of the preset (examples/options.py): the demo applies them, or refuses them.
+STRATEGY_OPTIONS = (
+    "mixed_precision",
+    "remat",
+    "remat_policy",
+    "no_reshard_after_forward",
+    "xla_plan",
+    "gather_at_reads",
+    "gather_layers",
+    "offload_optimizer",
+    "data",
+    "tensor",
+    "expert",
+    "context",
+    "context_mode",
+    "stage",
+    "microbatches",
+    "schedule",
+    "across_slices",
+    "attention",
+    "loss_chunks",
+    "loss_tiling",
+)
+
+
+def training_strategy(args: argparse.Namespace, pretrained, console):
+    """The preset the demo trains under, with the options given (``--remat``, ``--stage``...).
+
+    Without options, ``--strategy``'s preset as registered. With them, the same
+    strategy ``python -m dtensor.aot`` builds (``examples/options.py``), over this
+    run's devices, with the model's block class (the character model's ``Block``,
+    or the decoder's under ``--init-from``). An option that does not apply to
+    the preset or the model is refused (``ValueError``): none is ignored.
+    Returns ``(strategy, pretrained)``, the pretrained config with the model's
+    changes (``--attention``, ``--remat`` where the preset has none...).
+    """
+    import jax
+
+    import strategies
+
+    defaults = vars(parse_args([]))
+    given = [o for o in STRATEGY_OPTIONS if getattr(args, o, None) != defaults[o]]
+    if args.scan or args.model_remat:
+        flag = "--scan" if args.scan else "--model-remat"
+        raise ValueError(
+            f"{flag} applies to the decoder's ahead-of-time compiles (--model-size "
+            f"{'/'.join(DECODER_SIZES[:2])}... under python -m dtensor.aot), not to the model "
+            "this script trains; drop it."
+        )
+    if not given:
+        return strategies.from_name(args.strategy), pretrained
+    if pretrained is not None:
+        decoder = decoder_module()
+        block, rules = decoder.Block, decoder.tensor_rules(pretrained)
+    else:
+        block, rules = make_model_cls().Block, None
+    strategy, changes, applied = build_strategy(
+        args, jax.devices(), block, rules=rules, decoder=pretrained is not None
+    )
+    refused = [o for o, how in applied.items() if how == "not available"]
+    if refused:
+        what = "the decoder" if pretrained is not None else "the character-level model"
+        flags = ", ".join("--" + o.replace("_", "-") for o in refused)
+        raise ValueError(
+            f"{flags}: not available under --strategy {args.strategy} for {what} "
+            f"({type(strategy).__name__} does not take it, nor does the model); drop it, or "
+            "pick a preset that takes it (python examples/train.py --list-strategies)."
+        )
+    for option, how in applied.items():
+        console.print(f"--{option.replace('_', '-')}: {how}")
+    if pretrained is not None and changes:
+        pretrained = pretrained.replace(**changes)
+    return strategy, pretrained
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.export_hf and not args.init_from:
@@ -294,13 +375,18 @@ def main(argv: list[str] | None = None) -> int:
             f"[red]--model-size {args.model_size} is the decoder for ahead-of-time compiles: python -m dtensor.aot --topology v5e:4x4 --strategy fully_sharded -- examples/train.py --model-size {args.model_size}"
         )
         return 2
-    strategy = strategies.from_name(args.strategy)
     dim, layers, heads, mlp, seq = SIZES[args.model_size]
     seq = args.seq_len or seq
     pretrained = None
     if args.init_from:
         decoder = decoder_module()
         pretrained = decoder.from_hf_config(args.init_from, attention="xla")
+    try:
+        strategy, pretrained = training_strategy(args, pretrained, console)
+    except ValueError as e:
+        console.print(f"[red]{e}")
+        return 2
+    if pretrained is not None:
         dim, layers, heads = pretrained.d_model, pretrained.layers, pretrained.heads
         if pretrained.vocab < VOCAB:
             console.print(

@@ -184,7 +184,7 @@ EXTENDED = {
     "tests/test_benchmarks.py::test_benchmarks_write_json_and_a_plot": "minutes",
     "tests/test_notebooks.py::test_notebook_runs[02_strategies]": "minutes",
     "tests/test_notebooks.py::test_notebook_runs[03_checkpoint_preemption]": "minutes",
-    "tests/test_demo.py::test_demo_json_is_the_only_stdout": "variant",
+    "tests/test_demo.py::test_demo_json_is_the_only_stdout_and_its_options_apply_1f1b_stages_train_as_mirrored": "variant",
     # HybridStrategy's casts: the plain hybrid run stays (tests/strategies/test_hybrid_gather.py
     # covers its gather-at-read plan)
     "tests/strategies/test_fsdp_options.py::test_mixed_precision_matches_single_device_with_the"
@@ -238,7 +238,7 @@ EXTENDED.update(
         "tests/test_pipeline.py::test_pipeline_matches_the_layers_run_in_order[gpipe-remat-m2]": "variant",
         "tests/test_pipeline.py::test_pipeline_matches_the_layers_run_in_order[circular]": "variant",
         "tests/test_pipeline.py::test_flax_model_with_a_list_of_blocks_trains_in_stages_as_on_one_device"
-        "[circular]": "variant",
+        "[circular-False]": "variant",
     }
 )
 

@@ -48,14 +48,78 @@ def test_demo_tables_fit_80_columns_one_line_per_variable(tmp_path):
     assert any("[·, tensor, ·]" in line for line in kernels)
 
 
+def _command(args: list[str], out: Path) -> list[str]:
+    return [sys.executable, str(DEMO), "--out", str(out), "--fresh", "--sample-chars", "8", *args]
+
+
 @pytest.mark.slow
-def test_demo_json_is_the_only_stdout(tmp_path):
-    proc = _run(["--steps", "4", "--json", "--save-every", "0"], tmp_path)
+def test_demo_json_is_the_only_stdout_and_its_options_apply_1f1b_stages_train_as_mirrored(
+    tmp_path,
+):
+    """--json prints one object; options the user gives are applied, not ignored: the
+    character model in 2 pipeline stages by 1F1B, with remat, trains as mirrored does."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    common = ["--steps", "4", "--json", "--save-every", "0"]
+    staged_args = ["--strategy", "hybrid", "--stage", "2", "--schedule", "1f1b", "--remat"]
+    staged = subprocess.Popen(  # beside the mirrored run, not after it
+        _command([*common, *staged_args], tmp_path / "staged"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        proc = _run(common, tmp_path)
+        out, err = staged.communicate(timeout=400)
+    finally:
+        if staged.poll() is None:
+            staged.kill()
+            staged.wait(timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["strategy"] == "mirrored" and result["steps"] == 4 and result["devices"] == 8
     assert result["loss_last"] < result["loss_first"]
     assert result["comm_bytes_per_device"] >= result["min_comm_bytes_per_device"] > 0
+    assert staged.returncode == 0, err[-3000:]
+    got = json.loads(out)
+    assert got["strategy"] == "hybrid" and got["steps"] == 4
+    for key in ("loss_first", "loss_last"):
+        assert got[key] == pytest.approx(result[key], rel=1e-5), key
+
+
+def test_demo_refuses_options_it_cannot_apply_naming_them_and_the_fix():
+    import importlib.util
+
+    from rich.console import Console
+
+    spec = importlib.util.spec_from_file_location("demo_train", DEMO)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    console = Console(quiet=True)
+    cases = {
+        ("--strategy", "mirrored", "--stage", "2"): "--stage: not available under --strategy "
+        "mirrored for the character-level model",
+        ("--strategy", "hybrid", "--attention", "splash"): "--attention: not available",
+        ("--strategy", "mirrored", "--mixed-precision", "bf16"): "--mixed-precision: not",
+        ("--scan",): "--scan applies to the decoder's ahead-of-time compiles",
+        ("--remat", "--model-remat"): "--model-remat applies to the decoder's",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(ValueError, match="drop it") as e:
+            train.training_strategy(train.parse_args(list(argv)), None, console)
+        assert message in str(e.value), (argv, str(e.value))
+    # Without options: the preset as registered; with them, the strategy they describe.
+    plain, _ = train.training_strategy(train.parse_args(["--strategy", "hybrid"]), None, console)
+    assert type(plain).__name__ == "HybridStrategy" and "stage" not in plain.mesh.dim_names
+    staged, _ = train.training_strategy(
+        train.parse_args(["--strategy", "hybrid", "--stage", "2", "--schedule", "zero-bubble"]),
+        None,
+        console,
+    )
+    assert dict(staged.mesh.shape)["stage"] == 2
+    plan = staged.pipeline_plan()
+    assert plan.schedule == "zero-bubble" and plan.classes == (train.make_model_cls().Block,)
 
 
 @pytest.mark.slow

@@ -428,6 +428,26 @@ def _period(graphdefs: list[Any], count: int) -> int:
     return count
 
 
+def _without_reads(blocks: list[Any], tag: Any) -> list[Any]:
+    """The blocks' graph definitions with one tag and their Variables' read functions
+    (a strategy's cast or gather, one closure a Variable) left out: what tells whether
+    the blocks differ in their own static attributes."""
+    graphdefs = []
+    for b in blocks:
+        variables = [v for _, v in nnx.iter_graph(b) if isinstance(v, nnx.Variable)]
+        reads = [swaps.take_read(v) for v in variables]
+        old = getattr(b, _TAG)
+        try:
+            setattr(b, _TAG, tag)
+            graphdefs.append(nnx.graphdef(b))
+        finally:
+            setattr(b, _TAG, old)
+            for v, read in zip(variables, reads, strict=True):
+                if read is not None:
+                    v.set_metadata(swaps.READ, read)
+    return graphdefs
+
+
 def _run_list(
     blocks: list[Any], inner: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Any
 ) -> tuple[Any, Any]:
@@ -454,7 +474,7 @@ def _run_list(
         for b, tag in zip(blocks, tags, strict=True):
             setattr(b, _TAG, tag)
     graphdefs = [g for g, _ in splits]
-    period = _period(graphdefs, len(blocks))
+    period = _period(_without_reads(blocks, tags[0]), len(blocks))
     if period == len(blocks) and len(blocks) > 1:
         raise PipelineError(
             f"{plan.preset}(stage={plan.stages}): the {len(blocks)} blocks of {key} differ in "

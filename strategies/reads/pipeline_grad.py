@@ -177,6 +177,9 @@ def _scheduled(
     try:
         pre_out, pre_pull, aux_whole = jax.vjp(before, d_leaves, has_aux=True)
     except _NotPipelined:
+        if queued is not None and queue is not None:  # the plain gradient's call takes it next
+            queue.clear()
+            queue.extend(queued)
         return None
     finally:
         _local.busy = False

@@ -38,13 +38,16 @@ __all__ = [
     "check_remat_classes",
     "read_through",
     "remat_policy",
+    "READ",
     "strip",
     "swap_call",
+    "take_read",
     "swap_entry",
     "swapped_base",
 ]
 
 _READ = "dtensor_read"
+READ = _READ  # the metadata key of a Variable's read function
 _BASE = "_dtensor_base"
 
 
@@ -76,6 +79,16 @@ def read_through(var: nnx.Variable, read: Callable[[Any], Any]) -> None:
     base = swapped_base(type(var))
     var.__class__ = _read_class(base)
     var.set_metadata(_READ, read)
+
+
+def take_read(var: nnx.Variable) -> Callable[[Any], Any] | None:
+    """Remove ``var``'s read function from its metadata and return it (``None``: it had none)."""
+    meta = var.get_metadata()
+    if _READ not in meta:
+        return None
+    read = meta[_READ]
+    var.set_metadata({k: v for k, v in meta.items() if k != _READ})
+    return read
 
 
 def strip(tree: Any) -> Any:
