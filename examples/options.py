@@ -149,10 +149,11 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     )
     p.add_argument(
         "--context-mode",
-        choices=["gather", "ring"],
+        choices=["gather", "ring", "ulysses"],
         default=None,
-        help="hybrid with --context: keys and values all-gathered (the default) or passed "
-        "round a ring",
+        help="hybrid with --context: keys and values all-gathered (the default), passed "
+        "round a ring, or ulysses (all-to-alls to a head split around attention and back; "
+        "the heads divide over --context, KV heads repeated where fewer)",
     )
     p.add_argument(
         "--stage",

@@ -183,6 +183,15 @@ def assert_context_ring(
     assert not whole, f"the whole sequence's K/V all-gathered: {whole}"
 
 
+def assert_context_ulysses(collectives: Sequence[Collective], *, layers: int) -> None:
+    """All-to-alls over ``context`` under attention's scope: q, k and v to a head split and
+    the output back, each layer, forward and backward; no K/V gather or ring permute there."""
+    found = over(collectives, "all-to-all", "context", CONTEXT_SCOPE)
+    _both_passes(found, 4 * layers, "q/k/v/out all-to-alls over context")
+    for kind in ("all-gather", "collective-permute"):
+        assert not [c for c in collectives if c.kind == kind and CONTEXT_SCOPE in c.op_name], kind
+
+
 def assert_expert(collectives: Sequence[Collective], *, layers: int, named: bool = True) -> None:
     """Tokens dispatched by all-to-alls over ``expert``: out and back, each MoE layer, both
     passes. ``named=False`` for XLA:GPU, whose asynchronous ragged all-to-alls carry no

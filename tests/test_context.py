@@ -111,7 +111,7 @@ def test_context_attention_auto_is_splash_when_traced_for_a_tpu_topology():
     assert "tpu_custom_call" not in lowered(causal=True, mask=jnp.ones((256, 256), bool))
 
 
-@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize("mode", ["gather", "ring", "ulysses"])
 @pytest.mark.parametrize(
     "kw",
     [
@@ -140,15 +140,20 @@ def test_context_attention_under_a_context_axis_matches_one_device(dims, kw, mod
         got, grads = compiled(q, k, v)
     _close(got, want, 1e-5)
     _close(grads, want_grads, 1e-5)
-    # The exchange over ``context`` is the mode's: K/V all-gathers, or a ring of permutes, in
-    # the forward pass (the backward pass's ops are JAX's ``transpose(...)``), and the other
-    # mode's nowhere.
+    # The exchange over ``context`` is the mode's: K/V all-gathers, a ring of permutes, or
+    # all-to-alls (q, k, v there, the output back; KV heads repeated where fewer than the
+    # axis: KVH=2 over context 4, or 1 a device under tensor 2 over context 2) in the
+    # forward pass (the backward pass's ops are JAX's ``transpose(...)``), and the other
+    # modes' nowhere.
     text = compiled.as_text()
     exchange = [line for line in text.splitlines() if dtensor.core.attention.CONTEXT_SCOPE in line]
     forward = [line for line in exchange if "transpose(" not in line]
-    kinds = {"gather": "all-gather", "ring": "collective-permute"}
+    kinds = {"gather": "all-gather", "ring": "collective-permute", "ulysses": "all-to-all"}
     assert any(kinds[mode] in line for line in forward)
-    assert not any(kinds[{"gather": "ring", "ring": "gather"}[mode]] in line for line in exchange)
+    for other in set(kinds) - {mode}:
+        assert not any(f"{kinds[other]}(" in line for line in exchange), other
+    if mode == "ulysses":
+        assert sum(" all-to-all(" in line for line in forward) == 4
 
 
 def test_load_balanced_ring_gives_every_device_half_a_block_each_step():
@@ -182,7 +187,15 @@ def test_context_attention_errors_name_the_shapes_the_mesh_and_the_fix():
         with pytest.raises(ValueError, match=r"does not divide into 8 chunks.*context=4.*multiple"):
             dtensor.context_attention(q[:, :12], k[:, :12], v[:, :12], causal=True, mode="ring")
     with pytest.raises(ValueError, match="valid modes are"):
-        dtensor.context_attention(q, k, v, mode="ulysses")
+        dtensor.context_attention(q, k, v, mode="striped")
+    # Ulysses gives each device whole heads: 4 heads, 2 a device under tensor=2, over context 4
+    with dtensor.create_mesh([("context", 4), ("tensor", 2)]):
+        with pytest.raises(
+            ValueError,
+            match=r"mode='ulysses'\): the 2 query heads a device holds \(of 4, split over "
+            r"'tensor'\) do not divide over the mesh axis 'context' of size 4 .*mode='gather'",
+        ):
+            dtensor.context_attention(q, k, v, causal=True, mode="ulysses")
 
 
 # --------------------------------------------------------------------- HybridStrategy(context=)
@@ -196,15 +209,15 @@ def test_hybrid_context_lays_the_sequence_over_context_and_weights_over_fsdp_and
         ("fsdp", "context"),
     )
     assert not s.gather_at_read and s.num_replicas_in_sync == 4
-    with pytest.raises(ValueError, match="context_mode='ulysses'.*valid modes"):
-        strategies.HybridStrategy(context=2, context_mode="ulysses")
+    with pytest.raises(ValueError, match="context_mode='striped'.*valid modes"):
+        strategies.HybridStrategy(context=2, context_mode="striped")
     with pytest.raises(ValueError, match="gather_at_read=True.*context=1"):
         strategies.HybridStrategy(context=2, gather_at_read=True)
     with pytest.raises(ValueError, match="context=0.*positive integer"):
         strategies.HybridStrategy(context=0)
 
 
-@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize("mode", ["gather", "ring", "ulysses"])
 @pytest.mark.parametrize(
     ("kw", "scan"),
     [
@@ -242,10 +255,12 @@ def test_decoder_trains_under_hybrid_context_as_on_one_device(kw, scan, mode):
     kv = (rows, 16, cfg.kv_heads // kw.get("tensor", 1), cfg.head_dim)  # heads over tensor
     if mode == "gather":
         signatures.assert_context_gather(report.collectives, kv=kv, layers=cfg.layers)
-    else:
+    elif mode == "ring":
         signatures.assert_context_ring(
             report.collectives, kv=kv, layers=cfg.layers, context=kw["context"]
         )
+    else:  # 4 heads (2 KV heads, repeated) over context 4, or 2 over context 2 under tensor
+        signatures.assert_context_ulysses(report.collectives, layers=cfg.layers)
     if rules:  # the activations' all-reduces over tensor, the sequence split over context
         # (at these sizes XLA:CPU's plan all-gathers the MLP's and q/k/v's tensor-split weights
         # for the forward pass rather than their activations: attention out's all-reduce is
@@ -287,7 +302,7 @@ def _attend_step(model, opt, batch):
     return loss
 
 
-@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize("mode", ["gather", "ring", "ulysses"])
 @pytest.mark.parametrize(
     ("causal", "direct"),
     [(True, False), (False, False), (True, True)],
@@ -319,8 +334,10 @@ def test_flax_attention_trains_under_hybrid_context_unchanged(causal, direct, mo
     kv = (8 // 2, 16, 4, 8)  # the sequence's K (or V) over the data shards: 4 heads of 8
     if mode == "gather":
         signatures.assert_context_gather(report.collectives, kv=kv, layers=1)
-    else:
+    elif mode == "ring":
         signatures.assert_context_ring(report.collectives, kv=kv, layers=1, context=4)
+    else:
+        signatures.assert_context_ulysses(report.collectives, layers=1)
     assert nnx.dot_product_attention.__module__ == "flax.nnx.nn.attention"
 
 

@@ -116,6 +116,13 @@ def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips
     assert bool(fully) == (slices == 1 and facts.batch % chips == 0)
     assert all(p.fsdp == chips for p in fully) and plans[: len(fully)] == fully
     assert any(p.context_mode == "ring" for p in plans)
+    # Ulysses beside the ring exactly where each device gets whole heads: the query heads
+    # (after tensor) divide over context
+    def whole_heads(p):
+        return (facts.heads // (p.tensor if facts.kv_heads % p.tensor == 0 else 1)) % p.context == 0
+
+    ulysses = {dataclasses.replace(p, context_mode="ring") for p in plans if p.context_mode == "ulysses"}
+    assert ulysses and ulysses == {p for p in plans if p.context_mode == "ring" and whole_heads(p)}
     # the splash kernel takes the gather only: no ring plan to compile and see refused
     splash = enumerate_plans(dataclasses.replace(facts, attention="splash"), chips=chips,
                              num_slices=slices)  # fmt: skip
@@ -146,6 +153,24 @@ def test_the_model_moves_the_right_way():
     two = estimate(Plan(data=2, fsdp=8, across_slices="data"), facts, chip, group=8)
     assert two.dcn_seconds and two.axis_bytes["data"] > 0
     assert est().dcn_seconds == 0.0
+    # Context 4: the gather moves the whole sequence's K and V of the local KV heads; Ulysses
+    # all-to-alls q, k, v and the output of a quarter of the sequence, the 2 KV heads
+    # (of 8 query heads) repeated twice to divide over 4 (and held whole per head group).
+    from dtensor.tpu.plans import device_tokens
+
+    gather, uly = (Plan(fsdp=2, context=4, context_mode=m) for m in ("gather", "ulysses"))
+    tokens, hd, cb = device_tokens(gather, facts), facts.head_dim, 2  # bf16, the default
+    moved = {
+        "gather": 3 / 4 * tokens * 4 * 2 * facts.kv_heads * hd * cb,
+        "ulysses": 3 / 4 * tokens * (2 * facts.heads + 2 * facts.kv_heads * 2) * hd * cb,
+    }
+    extra = {m: estimate(p, facts, chip) for m, p in (("gather", gather), ("ulysses", uly))}
+    passes = 3 * facts.layers  # forward, recomputed forward (full remat, the default), backward
+    got = extra["ulysses"].axis_bytes["context"] - extra["gather"].axis_bytes["context"]
+    assert got == pytest.approx((moved["ulysses"] - moved["gather"]) * passes)
+    held = extra["ulysses"].working_bytes - extra["gather"].working_bytes
+    want = tokens * ((2 * facts.heads + 4 * facts.kv_heads) - 4 * 2 * facts.kv_heads) * hd * cb
+    assert held == pytest.approx(want)
 
 
 # ------------------------------------------------------------------ searches that compile

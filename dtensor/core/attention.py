@@ -23,11 +23,21 @@ and each device computes the attention of its own queries, in one of two modes:
   back by two more), and every ring step computes half a block on every device
   (the masked half is skipped), where the contiguous layout makes the last
   device compute a whole block at every step while the first skips all but one.
+- ``"ulysses"`` (DeepSpeed-Ulysses, MaxText's ``context_parallel_strategy:
+  ulysses``): an all-to-all over ``context`` turns the sequence split of the
+  query, key and value into a head split (each device the whole sequence of
+  ``heads / C`` heads), each device attends its heads over the whole sequence
+  (no exchange inside attention), and an all-to-all turns the output back:
+  ``4 x (C - 1) / C`` of a device's q/k/v/out bytes move, whatever ``C``. The
+  heads (after ``tensor``) must divide over ``C``; key/value heads that do not
+  (grouped-query attention with fewer KV heads than ``C``, where MaxText's
+  Ulysses stops) are repeated ``C / gcd(kv_heads, C)`` times first, which
+  multiplies their share of the exchange and of attention's key reads by that.
 
 Heads are split over ``tensor`` (when it divides the key/value heads) and the
 batch over the batch axes (``data``, ``fsdp``, ``expert``), so attention needs
 no other communication. ``mask`` (``True``: attend, broadcastable to ``[batch,
-heads, q, k]``) works in both modes; with it the ring runs whole blocks.
+heads, q, k]``) works in every mode; with it the ring runs whole blocks.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ from dtensor.core.attention_xla import (
     current_mode,
     gather_sequence,
     ring_attend,
+    ulysses_attend,
 )
 
 __all__ = [
@@ -106,8 +117,8 @@ def context_attention(
         window: with ``causal``, only the last ``window`` positions (a sliding
             window, Gemma 3's local layers; may be traced); ``None``: all.
         scale: the scores' factor (default ``head_dim ** -0.5``).
-        mode: ``"gather"`` or ``"ring"`` under a ``context`` axis (default: the
-            innermost :func:`context_mode`, else ``"gather"``).
+        mode: ``"gather"``, ``"ring"`` or ``"ulysses"`` under a ``context`` axis
+            (default: the innermost :func:`context_mode`, else ``"gather"``).
         axis: the mesh axis the sequence is split over.
         batch_axes: the mesh axes the batch is split over (default: those of
             ``data``, ``fsdp``, ``expert`` the mesh has).
@@ -183,13 +194,23 @@ def context_attention(
         )
     spec = _specs(mesh, query, key, batch_axes, head_axis, axis)
     batch_axes, heads = spec[0] or (), spec[2]
+    if mode == "ulysses":
+        local = query.shape[2] // (mesh.shape[heads] if heads else 1)
+        if local % c:
+            raise ValueError(
+                f"dtensor.context_attention(mode='ulysses'): the {local} query heads a device "
+                f"holds{f' (of {query.shape[2]}, split over {heads!r})' if heads else ''} do not "
+                f"divide over the mesh axis {axis!r} of size {c} ({mesh_text(mesh)}): Ulysses "
+                "gives each device whole heads. Use a context size that divides them, or "
+                "mode='gather' or 'ring'."
+            )
     in_specs: list[Any] = [spec, spec, spec]
     args: list[Any] = [query, key, value]
     if mask is not None:
         m = mask
         mb = batch_axes if m.shape[0] == query.shape[0] and batch_axes else None
         mh = heads if m.shape[1] == query.shape[2] else None
-        in_specs.append(P(mb, mh, axis, None))
+        in_specs.append(P(mb, mh, None if mode == "ulysses" else axis, None))
         args.append(m)
     if window is not None:
         in_specs.append(P())
@@ -210,6 +231,8 @@ def context_attention(
             qpos = me * q.shape[1] + jnp.arange(q.shape[1])
             kpos = jnp.arange(k_all.shape[1])
             return attend(q, k_all, v_all, qpos, kpos, causal, w, m, scale)
+        if mode == "ulysses":
+            return ulysses_attend(q, k, v, m, w, me, c, axis, causal, scale)
         return ring_attend(q, k, v, m, w, me, c, axis, causal, balanced, scale)
 
     return jax.shard_map(

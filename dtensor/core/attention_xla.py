@@ -2,8 +2,11 @@
 
 Each device attends its queries in one of :data:`MODES` (the innermost :func:`context_mode`
 by default): ``"gather"`` (keys and values all-gathered over the axis, :func:`gather_sequence`,
-then :func:`attend`) or ``"ring"`` (:func:`ring_attend`: ``C - 1`` collective permutes, one
-block of scores a step folded into a running softmax; causal attention load-balanced). Every
+then :func:`attend`), ``"ring"`` (:func:`ring_attend`: ``C - 1`` collective permutes, one
+block of scores a step folded into a running softmax; causal attention load-balanced) or
+``"ulysses"`` (:func:`ulysses_attend`: all-to-alls from a sequence split to a head split and
+back, the whole sequence attended per head group; key/value heads repeated where fewer
+than the axis). Every
 exchange runs under the :data:`CONTEXT_SCOPE` name scope, by which ``explain`` counts it.
 These run inside :func:`jax.shard_map`; :func:`dtensor.context_attention` is the entry point.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from typing import cast
 
@@ -27,13 +31,15 @@ __all__ = [
     "current_mode",
     "gather_sequence",
     "ring_attend",
+    "ulysses_attend",
+    "ulysses_repeats",
 ]
 
 #: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
 CONTEXT_SCOPE = "context_attention"
 
 #: The modes of :func:`dtensor.context_attention` under a ``context`` axis.
-MODES = ("gather", "ring")
+MODES = ("gather", "ring", "ulysses")
 
 _mode: list[str] = ["gather"]
 _NEG = -0.7 * float(np.finfo(np.float32).max)
@@ -241,3 +247,31 @@ def _from_balanced(x, me, c, axis):
         even = jax.lax.ppermute(even, axis, [(_dest(2 * s, c), s) for s in range(c)])
         odd = jax.lax.ppermute(odd, axis, [(_dest(2 * s + 1, c), s) for s in range(c)])
     return jnp.concatenate([even, odd], axis=1)
+
+
+def ulysses_repeats(kv_heads: int, c: int) -> int:
+    """How many times :func:`ulysses_attend` repeats each key/value head so that the heads
+    divide over ``c`` devices: ``c / gcd(kv_heads, c)`` (1 when they already divide). The
+    copies cost ``r x`` the K/V bytes of the all-to-alls and of attention's key reads."""
+    return c // math.gcd(kv_heads, c)
+
+
+def ulysses_attend(q, k, v, mask, window, me, c, axis, causal, scale):
+    """Ulysses attention of this device's rows (device ``me`` of ``c`` over ``axis``): an
+    all-to-all turns the sequence split into a head split (each device all ``S`` rows of
+    ``heads / c`` heads), plain attention runs on them, and an all-to-all turns the output
+    back. Key/value heads fewer than ``c`` (or not dividing over it) are repeated first
+    (:func:`ulysses_repeats`), so grouped-query attention keeps each query head with its
+    own key/value head. ``mask``: the whole ``[b, heads | 1, S, S]``."""
+    h = q.shape[2]
+    r = ulysses_repeats(k.shape[2], c)
+    if r > 1:
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    with jax.named_scope(CONTEXT_SCOPE):
+        q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
+    pos = jnp.arange(q.shape[1])
+    if mask is not None and mask.shape[1] == h:  # per head: this device's heads
+        mask = jax.lax.dynamic_slice_in_dim(mask, me * (h // c), h // c, axis=1)
+    out = attend(q, k, v, pos, pos, causal, window, mask, scale)
+    with jax.named_scope(CONTEXT_SCOPE):
+        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)

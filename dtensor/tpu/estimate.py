@@ -49,6 +49,7 @@ import dataclasses
 from typing import Any
 
 from dtensor.analysis.hardware import Chip
+from dtensor.core.attention_xla import ulysses_repeats
 from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
 from dtensor.tpu.plans import AXES, ModelFacts, Plan, device_tokens, logits_bytes
 
@@ -204,7 +205,18 @@ def estimate(
         held = max(table.in_flight) / (table.microbatches * table.rounds)
         kept = cb * d / sp if plan.remat != "none" else everything
         activations = tokens * held * (L / s) * kept
-    kv = tokens * plan.context * 2 * hkv * cb if plan.context > 1 else 0.0
+    # Ulysses (context_mode="ulysses"): each device the whole sequence of its heads / C heads,
+    # q, k, v and the output exchanged by all-to-alls (KV heads repeated to divide over C);
+    # gather and ring: the whole sequence's K/V of every local head.
+    ulysses = plan.context > 1 and plan.context_mode == "ulysses"
+    local_kv = facts.kv_heads // t if facts.kv_heads % t == 0 else facts.kv_heads
+    repeats = ulysses_repeats(max(int(local_kv), 1), plan.context) if ulysses else 1
+    exchanged = tokens * (2 * hq + 2 * hkv * repeats) * cb  # q, out, k, v (Ulysses)
+    kv = (
+        (exchanged if ulysses else tokens * plan.context * 2 * hkv * cb)
+        if plan.context > 1
+        else 0.0
+    )
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
     logits = logits_bytes(plan, facts, cb)
     working = max(working, logits)
@@ -251,7 +263,10 @@ def estimate(
     by_axis["data"] = _ring("all-reduce", weights / g * 4, d_)
     act = tokens * d * cb
     by_axis["tensor"] = _ring("all-reduce", act, t) * (passes * L / s + 2)
-    kv_bytes = _ring("all-gather", tokens * plan.context * 2 * hkv * cb, plan.context)
+    if ulysses:
+        kv_bytes = _ring("all-to-all", exchanged, plan.context)
+    else:
+        kv_bytes = _ring("all-gather", tokens * plan.context * 2 * hkv * cb, plan.context)
     by_axis["context"] += kv_bytes * (3 if plan.remat == "full" else 2) * L / s
     if facts.experts:
         sent = tokens * facts.experts_per_token * d * cb

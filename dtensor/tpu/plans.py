@@ -122,7 +122,11 @@ def _pipelines(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     # the ring runs XLA's attention or a masked kernel: the splash kernel of a plain causal
     # decoder takes the gather only (dtensor.context_attention refuses the pair)
     ring = plan.context > 1 and facts.accepts("context_mode") and facts.attention != "splash"
-    modes = ("gather", "ring") if ring else ("gather",)
+    modes: tuple[str, ...] = ("gather", "ring") if ring else ("gather",)
+    # Ulysses gives each device whole heads: the query heads (after tensor) divide over context
+    t = plan.tensor if facts.kv_heads % plan.tensor == 0 else 1
+    if ring and facts.heads % t == 0 and (facts.heads // t) % plan.context == 0:
+        modes += ("ulysses",)
     if plan.stage == 1:
         if facts.batch % replicas == 0:
             for mode in modes:

@@ -131,7 +131,7 @@ def _order(scored: tuple[Any, float, float]) -> tuple[int, int, float]:
     complexity = 0
     if plan is not None:
         complexity = sum(n > 1 for n in plan.sizes.values())
-        complexity += (plan.context_mode == "ring") + (plan.schedule != "gpipe")
+        complexity += (plan.context_mode != "gather") + (plan.schedule != "gpipe")
         complexity += (not plan.reshard) + (plan.remat not in ("none", "full"))
         complexity += getattr(plan, "loss_chunks", 1) > 1
     return (round(math.log(max(floor, 1e-12)) / math.log(1.02)), complexity, peak)

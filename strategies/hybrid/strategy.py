@@ -67,9 +67,11 @@ class HybridStrategy(StepOptions):
             rest of the model is data parallel over ``context``. It needs
             ``gather_at_read`` off (``None`` then means ``False``).
         context_mode: ``"gather"`` (keys and values all-gathered over
-            ``context``, MaxText's default) or ``"ring"`` (passed round a ring of
-            collective permutes, causal attention load-balanced); see
-            :mod:`dtensor.core.attention`.
+            ``context``, MaxText's default), ``"ring"`` (passed round a ring of
+            collective permutes, causal attention load-balanced) or ``"ulysses"``
+            (all-to-alls from the sequence split to a head split around
+            attention and back; the heads must divide over ``context``, key/value
+            heads are repeated where fewer); see :mod:`dtensor.core.attention`.
         stage: pipeline-parallel size. A ``stage`` mesh axis (after ``data``):
             the blocks of the classes named in ``pipeline=`` — a scanned stack
             (one module of stacked layers run by ``nnx.scan``) or a list of
@@ -193,7 +195,8 @@ class HybridStrategy(StepOptions):
             raise ValueError(
                 f"HybridStrategy(context_mode={context_mode!r}): valid modes are "
                 f"{CONTEXT_MODES} ('gather': keys and values all-gathered over 'context'; "
-                "'ring': passed round a ring of collective permutes)."
+                "'ring': passed round a ring of collective permutes; 'ulysses': all-to-alls "
+                "to a head split around attention and back)."
             )
         self._check_pipeline(stage, microbatches, schedule, repeats, pipeline)
         mesh, self.across_slices = slice_mesh(dims, devices, across_slices)
