@@ -67,6 +67,34 @@ ROWS: list[tuple[str, str, str, int, int, tuple[str, ...]]] = [
     # fused attention, and the same tokens per GPU on 64 H100s.
     ("llama2-70b", "a100-80gb:8x8", "fully_sharded", 64, 8192, ("--attention", "cudnn")),
     ("llama2-70b", "h100:8x8", "fully_sharded", 64, 8192, ("--attention", "cudnn")),
+    # Ulysses: row 1 with q/k/v/out all-to-alls in place of the K/V gathers; and 131072
+    # tokens over context 16 on 64 chips, past Llama 3.1 8B's 8 KV heads (each repeated
+    # twice), where MaxText's Ulysses stops.
+    (
+        "llama3.1-8b",
+        "v5p:4x4x2",
+        "hybrid",
+        32,
+        32768,
+        ("--context", "8", "--attention", "splash", "--loss-chunks", "8", "--context-mode", "ulysses"),
+    ),
+    (
+        "llama3.1-8b",
+        "v5p:4x4x4",
+        "hybrid",
+        8,
+        131072,
+        ("--context", "16", "--attention", "splash", "--loss-chunks", "8", "--context-mode", "ulysses"),
+    ),
+    # ... and the same by the gather
+    (
+        "llama3.1-8b",
+        "v5p:4x4x4",
+        "hybrid",
+        8,
+        131072,
+        ("--context", "16", "--attention", "splash", "--loss-chunks", "8"),
+    ),
 ]
 
 #: MaxText's peak per chip (GiB), by ``(size, topology, global batch, sequence length)``.

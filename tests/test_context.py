@@ -341,7 +341,7 @@ def test_flax_attention_trains_under_hybrid_context_unchanged(causal, direct, mo
     assert nnx.dot_product_attention.__module__ == "flax.nnx.nn.attention"
 
 
-@pytest.mark.parametrize("mode", ["gather", "ring"])
+@pytest.mark.parametrize("mode", ["gather", "ring", "ulysses"])
 def test_decoder_under_context_compiles_for_tpu(mode):
     """data=2 x context=4 on v5e:2x4 (libtpu): each mode's exchange in the TPU program
     (tests/signatures.py), figures a program of the other mode cannot meet, and the
@@ -394,6 +394,17 @@ def test_decoder_under_context_compiles_for_tpu(mode):
             sum(c.total_bytes_per_device for c in scoped)
             + sum(c.total_bytes_per_device for c in back)
         )
+    elif mode == "ulysses":
+        # q, k, v to a head split and the output back, forward (again under remat) and
+        # backward: all-to-alls over context, of which the other modes have none; 4 heads
+        # over context 4, the 2 KV heads repeated twice; the splash kernel on each device's
+        # whole sequence (256 rows: the gather's 64 a device are too few for its blocks).
+        signatures.assert_context_ulysses(report.collectives, layers=cfg.layers)
+        exchanged = sum(c.total_bytes_per_device for c in scoped if c.kind == "all-to-all")
+        q_bytes = 8 // 2 * 256 // 4 * cfg.heads * cfg.head_dim * 2  # a device's rows, bf16
+        assert exchanged >= cfg.layers * 3 * 4 * q_bytes * 3 / 4 and gathered == permuted == 0
+        assert report.context_bytes_per_device == pytest.approx(exchanged)
+        assert "tpu_custom_call" in report.compiled.as_text()
     else:
         signatures.assert_context_ring(report.collectives, kv=kv, layers=cfg.layers, context=4)
         # The ring moves each device's K and V chunks C-1 times a layer in the forward pass,
@@ -576,7 +587,7 @@ def test_long_context_benchmark_table_is_the_guide_s():
     rows = json.loads((root / "benchmarks" / "results" / "long_context.json").read_text())["rows"]
     guide = " ".join((root / "docs" / "guides" / "large_models.md").read_text().split())
     assert " ".join(long_context.markdown(rows).split()) in guide
-    whole, tiled, by_tokens, longest, a100, h100 = rows
+    whole, tiled, by_tokens, longest, a100, h100, ulysses, ulysses_16, gather_16 = rows
     assert whole["maxtext_peak_gib"] == tiled["maxtext_peak_gib"] == 37.97
     assert tiled["peak_gib"] < tiled["maxtext_peak_gib"] < whole["peak_gib"]
     assert f"needs {tiled['peak_gib']:.2f} GiB per chip with the vocabulary in 8 slices" in guide
@@ -599,6 +610,18 @@ def test_long_context_benchmark_table_is_the_guide_s():
     )
     assert f"{tiled['floor_ms'] / (mt['step_time_floor_seconds'] * 1e3):.3f}x it" in guide
     assert f"needs {a100['peak_gib']:.2f} GiB per A100 80GB and {h100['peak_gib']:.2f} GiB" in guide
+    # Ulysses: at or under the gather on peak and floor, with less over context, at context 8
+    # and at 16, past the 8 KV heads (repeated)
+    for uly, gather in ((ulysses, tiled), (ulysses_16, gather_16)):
+        assert "--context-mode ulysses" in uly["command"] and "ulysses" not in gather["command"]
+        assert uly["peak_gib"] < gather["peak_gib"] and uly["floor_ms"] <= gather["floor_ms"]
+        assert uly["context_gib"] < gather["context_gib"] and uly["fits"]
+    assert ulysses_16["seq_len"] == 131072 and "context=16" in ulysses_16["mesh"]
+    assert (
+        f"{ulysses['peak_gib']:.2f} GiB a chip against the gather's {tiled['peak_gib']:.2f}" in guide
+    )
+    assert f"Ulysses needs {ulysses_16['peak_gib']:.2f} GiB a chip" in guide
+    assert f"the gather, {gather_16['peak_gib']:.2f} GiB and {gather_16['context_gib']:.2f} GiB" in guide
 
 
 def test_train_py_context_flags_build_the_preset_and_the_model_options():

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dtensor.core.attention_xla import current_mode, gather_sequence
+from dtensor.core.attention_xla import (
+    current_mode,
+    gather_sequence,
+    ulysses_heads,
+    ulysses_repeats,
+    ulysses_rows,
+)
 
 __all__ = [
     "best_implementation",
@@ -89,8 +95,9 @@ def best_implementation(
     q_len, kv_len, c = query.shape[1], key.shape[1], int(context)
     platform = trace_platform(mesh)
     if platform == "tpu":
-        fits = q_len % (128 * c) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
-        takes = mask is None and window is None and (c == 1 or mode == "gather")
+        shards = 1 if mode == "ulysses" else c  # Ulysses: each device all the queries
+        fits = q_len % (128 * shards) == 0 and kv_len % 128 == 0 and (q_len == kv_len or not causal)
+        takes = mask is None and window is None and (c == 1 or mode in ("gather", "ulysses"))
         return "splash" if fits and takes else "xla"
     if platform in ("gpu", "cuda") and cudnn_problem(query, mask, window, c) is None:
         return "cudnn"
@@ -133,15 +140,23 @@ def splash_attention(q, k, v, causal, mask, window, scale, mode, mesh, axis, spe
     from jax.sharding import NamedSharding
 
     c = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
-    if (c > 1 and mode != "gather") or mask is not None or window is not None:
+    if (c > 1 and mode not in ("gather", "ulysses")) or mask is not None or window is not None:
         raise ValueError(
-            "dtensor.context_attention(implementation='splash') takes mode='gather' without "
-            f"mask= or window= (got mode={mode!r}, mask {'given' if mask is not None else 'None'}, "
+            "dtensor.context_attention(implementation='splash') takes mode='gather' or "
+            "'ulysses' without mask= or window= (got mode="
+            f"{mode!r}, mask {'given' if mask is not None else 'None'}, "
             f"window {'given' if window is not None else 'None'}); use implementation='xla'."
         )
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    block_q, block_kv = min(512, s // c), min(512, s)
+    # Ulysses: each device the whole sequence of its heads / c heads (the KV heads repeated
+    # where fewer), the kernel on all of it; gather: its S / c queries against all keys.
+    ulysses = c > 1 and mode == "ulysses"
+    shards = c if c > 1 and not ulysses else 1
+    if ulysses and mesh is not None:
+        t = mesh.shape[spec[2]] if spec[2] else 1
+        kvh *= ulysses_repeats(kvh // t, c)
+    block_q, block_kv = min(512, s // shards), min(512, s)
     sizes = sk.BlockSizes(
         block_q=block_q,
         block_kv=block_kv,
@@ -157,15 +172,17 @@ def splash_attention(q, k, v, causal, mask, window, scale, mode, mesh, axis, spe
     )
     one = sm.CausalMask((s, s)) if causal else sm.FullMask((s, s))
     kernel = sk.make_splash_mqa(
-        sm.MultiHeadMask([one] * (h // kvh)), block_sizes=sizes, head_shards=1, q_seq_shards=c
+        sm.MultiHeadMask([one] * (h // kvh)), block_sizes=sizes, head_shards=1, q_seq_shards=shards
     )
 
     def per_device(kernel, q, k, v):
-        if c > 1:
+        if ulysses:
+            q, k, v = ulysses_heads(q, k, v, c, axis)
+        elif c > 1:
             k, v = gather_sequence(k, axis), gather_sequence(v, axis)
         bl, n = q.shape[:2]
-        hl = q.shape[2] // (h // kvh)
-        qh = (q * jnp.asarray(scale, q.dtype)).reshape(bl, n, hl, h // kvh, d)
+        hl = k.shape[2]  # this device's key/value heads, each with its group of query heads
+        qh = (q * jnp.asarray(scale, q.dtype)).reshape(bl, n, hl, q.shape[2] // hl, d)
         qh = qh.transpose(0, 2, 3, 1, 4)  # (batch, kv_heads, group, n, d)
         kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
@@ -173,11 +190,14 @@ def splash_attention(q, k, v, causal, mask, window, scale, mode, mesh, axis, spe
             return kernel(q, k, v)
 
         out = jax.vmap(jax.vmap(call, (None, 0, 0, 0)), (None, 0, 0, 0))(kernel, qh, kh, vh)
-        return out.transpose(0, 3, 1, 2, 4).reshape(bl, n, q.shape[2], d)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(bl, n, q.shape[2], d)
+        return ulysses_rows(out, axis) if ulysses else out
 
     if mesh is None or mesh.size == 1:
         return per_device(kernel, q, k, v)
-    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, axis if c > 1 else None)))
+    kernel_spec = kernel.manual_sharding_spec(
+        NamedSharding(mesh, P(None, axis if shards > 1 else None))
+    )
     return jax.shard_map(
         per_device,
         mesh=mesh,

@@ -32,7 +32,9 @@ __all__ = [
     "gather_sequence",
     "ring_attend",
     "ulysses_attend",
+    "ulysses_heads",
     "ulysses_repeats",
+    "ulysses_rows",
 ]
 
 #: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
@@ -256,6 +258,24 @@ def ulysses_repeats(kv_heads: int, c: int) -> int:
     return c // math.gcd(kv_heads, c)
 
 
+def ulysses_heads(q, k, v, c, axis):
+    """Ulysses' first exchange: ``q``, ``k``, ``v`` of this device's rows (``S / c`` of them,
+    every local head) to all ``S`` rows of ``1 / c`` of the heads, by all-to-alls over
+    ``axis``; key/value heads repeated first where they do not divide over ``c``."""
+    r = ulysses_repeats(k.shape[2], c)
+    if r > 1:
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    with jax.named_scope(CONTEXT_SCOPE):
+        return tuple(jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
+
+
+def ulysses_rows(out, axis):
+    """Ulysses' second exchange: the output of all rows of this device's heads back to its
+    own rows of every head."""
+    with jax.named_scope(CONTEXT_SCOPE):
+        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
+
+
 def ulysses_attend(q, k, v, mask, window, me, c, axis, causal, scale):
     """Ulysses attention of this device's rows (device ``me`` of ``c`` over ``axis``): an
     all-to-all turns the sequence split into a head split (each device all ``S`` rows of
@@ -264,14 +284,8 @@ def ulysses_attend(q, k, v, mask, window, me, c, axis, causal, scale):
     (:func:`ulysses_repeats`), so grouped-query attention keeps each query head with its
     own key/value head. ``mask``: the whole ``[b, heads | 1, S, S]``."""
     h = q.shape[2]
-    r = ulysses_repeats(k.shape[2], c)
-    if r > 1:
-        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-    with jax.named_scope(CONTEXT_SCOPE):
-        q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
+    q, k, v = ulysses_heads(q, k, v, c, axis)
     pos = jnp.arange(q.shape[1])
     if mask is not None and mask.shape[1] == h:  # per head: this device's heads
         mask = jax.lax.dynamic_slice_in_dim(mask, me * (h // c), h // c, axis=1)
-    out = attend(q, k, v, pos, pos, causal, window, mask, scale)
-    with jax.named_scope(CONTEXT_SCOPE):
-        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
+    return ulysses_rows(attend(q, k, v, pos, pos, causal, window, mask, scale), axis)
