@@ -76,7 +76,16 @@ ROWS: list[tuple[str, str, str, int, int, tuple[str, ...]]] = [
         "hybrid",
         32,
         32768,
-        ("--context", "8", "--attention", "splash", "--loss-chunks", "8", "--context-mode", "ulysses"),
+        (
+            "--context",
+            "8",
+            "--attention",
+            "splash",
+            "--loss-chunks",
+            "8",
+            "--context-mode",
+            "ulysses",
+        ),
     ),
     (
         "llama3.1-8b",
@@ -84,7 +93,16 @@ ROWS: list[tuple[str, str, str, int, int, tuple[str, ...]]] = [
         "hybrid",
         8,
         131072,
-        ("--context", "16", "--attention", "splash", "--loss-chunks", "8", "--context-mode", "ulysses"),
+        (
+            "--context",
+            "16",
+            "--attention",
+            "splash",
+            "--loss-chunks",
+            "8",
+            "--context-mode",
+            "ulysses",
+        ),
     ),
     # ... and the same by the gather
     (

@@ -618,10 +618,14 @@ def test_long_context_benchmark_table_is_the_guide_s():
         assert uly["context_gib"] < gather["context_gib"] and uly["fits"]
     assert ulysses_16["seq_len"] == 131072 and "context=16" in ulysses_16["mesh"]
     assert (
-        f"{ulysses['peak_gib']:.2f} GiB a chip against the gather's {tiled['peak_gib']:.2f}" in guide
+        f"{ulysses['peak_gib']:.2f} GiB a chip against the gather's {tiled['peak_gib']:.2f}"
+        in guide
     )
     assert f"Ulysses needs {ulysses_16['peak_gib']:.2f} GiB a chip" in guide
-    assert f"the gather, {gather_16['peak_gib']:.2f} GiB and {gather_16['context_gib']:.2f} GiB" in guide
+    assert (
+        f"the gather, {gather_16['peak_gib']:.2f} GiB and {gather_16['context_gib']:.2f} GiB"
+        in guide
+    )
 
 
 def test_train_py_context_flags_build_the_preset_and_the_model_options():

@@ -116,12 +116,15 @@ def test_every_plan_divides_the_mesh_and_the_model_and_none_repeats(facts, chips
     assert bool(fully) == (slices == 1 and facts.batch % chips == 0)
     assert all(p.fsdp == chips for p in fully) and plans[: len(fully)] == fully
     assert any(p.context_mode == "ring" for p in plans)
+
     # Ulysses beside the ring exactly where each device gets whole heads: the query heads
     # (after tensor) divide over context
     def whole_heads(p):
         return (facts.heads // (p.tensor if facts.kv_heads % p.tensor == 0 else 1)) % p.context == 0
 
-    ulysses = {dataclasses.replace(p, context_mode="ring") for p in plans if p.context_mode == "ulysses"}
+    ulysses = {
+        dataclasses.replace(p, context_mode="ring") for p in plans if p.context_mode == "ulysses"
+    }
     assert ulysses and ulysses == {p for p in plans if p.context_mode == "ring" and whole_heads(p)}
     # the splash kernel takes the gather only: no ring plan to compile and see refused
     splash = enumerate_plans(dataclasses.replace(facts, attention="splash"), chips=chips,
