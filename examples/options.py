@@ -149,11 +149,12 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     )
     p.add_argument(
         "--context-mode",
-        choices=["gather", "ring", "ulysses"],
+        choices=["gather", "ring", "ulysses", "usp"],
         default=None,
         help="hybrid with --context: keys and values all-gathered (the default), passed "
-        "round a ring, or ulysses (all-to-alls to a head split around attention and back; "
-        "the heads divide over --context, KV heads repeated where fewer)",
+        "round a ring, ulysses (all-to-alls to a head split around attention and back; "
+        "the heads divide over --context, KV heads repeated where fewer), or usp (Ulysses "
+        "within groups of gcd(--context, heads) devices, a ring across them)",
     )
     p.add_argument(
         "--stage",

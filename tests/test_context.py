@@ -156,6 +156,50 @@ def test_context_attention_under_a_context_axis_matches_one_device(dims, kw, mod
         assert sum(" all-to-all(" in line for line in forward) == 4
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{"causal": True}, {"mask": True}, {"causal": True, "window": 5}],
+    ids=["causal", "mask", "causal-window"],
+)
+@pytest.mark.parametrize(
+    "dims",
+    [[("context", 8)], [("context", 4), ("tensor", 2)]],
+    ids=["context8", "context4-tensor2"],
+)
+def test_usp_is_ulysses_within_groups_and_a_ring_across_them(dims, kw):
+    """USP over a context axis the heads do not divide: 4 heads over context 8 (groups of 4,
+    a ring of 2), 2 heads a device under tensor=2 over context 4 (groups of 2, a ring of 2),
+    the 2 KV heads (1 a device under tensor) repeated. Against JAX's attention, forward and
+    gradients; the exchange is collective permutes under the attention's scope (the group's
+    all-to-all as permutes, then the ring), no gather."""
+    from dtensor.core.attention_xla import usp_factors
+
+    assert usp_factors(8, 4) == (4, 2) and usp_factors(4, 2) == (2, 2)
+    assert usp_factors(4, 4) == (4, 1) and usp_factors(4, 3) == (1, 4)  # Ulysses; the ring
+    q, k, v, mask = _qkv()
+    kw = {**kw, "mask": mask} if kw.get("mask") else kw
+    want = _jax_attention(q, k, v, **kw)
+    want_grads = jax.grad(_jax_loss, argnums=(0, 1, 2))(q, k, v, **kw)
+
+    def attend_and_grads(q, k, v):
+        out = dtensor.context_attention(q, k, v, mode="usp", **kw)
+        return out, jax.grad(lambda q, k, v: _loss(q, k, v, mode="usp", **kw), (0, 1, 2))(q, k, v)
+
+    with dtensor.create_mesh(dims):
+        compiled = jax.jit(attend_and_grads).lower(q, k, v).compile()
+        got, grads = compiled(q, k, v)
+    _close(got, want, 1e-5)
+    _close(grads, want_grads, 1e-5)
+    exchange = [ln for ln in compiled.as_text().splitlines() if CONTEXT_SCOPE in ln]
+    forward = [ln for ln in exchange if "transpose(" not in ln]
+    # q, k, v into the group and the output back: (U - 1) permutes each; the ring: R - 1
+    # steps of K and V
+    u, r = (4, 2) if dims == [("context", 8)] else (2, 2)
+    permutes = sum("collective-permute(" in ln for ln in forward)
+    assert permutes >= 4 * (u - 1) + 2 * (r - 1), permutes
+    assert not any("all-gather(" in ln for ln in exchange)
+
+
 def test_load_balanced_ring_gives_every_device_half_a_block_each_step():
     """Causal ring attention re-lays the sequence so device i holds chunks i and 2C-1-i: four
     extra permutes (q, k, v there, the output back, two halves each) and a three-way switch
@@ -269,6 +313,27 @@ def test_decoder_trains_under_hybrid_context_as_on_one_device(kw, scan, mode):
         signatures.assert_tensor(
             report.collectives, rows=rows, seq=seq, d_model=64, layers=2, per_layer=1
         )
+
+
+def test_decoder_trains_by_usp_over_context_8_as_on_one_device():
+    """The tiny decoder's 4 heads over context 8: USP groups of 4 (Ulysses, the 2 KV heads
+    repeated) and a ring of 2 across them; three Adam steps equal to one device's."""
+    cfg = CONFIGS["tiny"]
+    batches = _batches(cfg)
+    model, opt = _build(cfg, eps=1e-3)
+    step = nnx.jit(_step)
+    want = [float(step(model, opt, b)) for b in batches]
+    want_params = nnx.state(model, nnx.Param)
+    s = strategies.HybridStrategy(1, 1, 1, context=8, context_mode="usp", min_shard_bytes=0)
+    with s.scope():
+        model, opt = _build(cfg, eps=1e-3)
+    got = [float(s.run(_step, args=(model, opt, b))) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _close(jax.device_get(nnx.state(model, nnx.Param)), want_params, 2e-5)
+    report = s.explain(_step, args=(model, opt, batches[0]))
+    scoped = [c for c in report.collectives if CONTEXT_SCOPE in c.op_name]
+    assert scoped and {c.kind for c in scoped} == {"collective-permute"}
+    assert report.context_bytes_per_device > 0
 
 
 class _Attend(nnx.Module):

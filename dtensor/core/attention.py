@@ -33,6 +33,14 @@ and each device computes the attention of its own queries, in one of two modes:
   (grouped-query attention with fewer KV heads than ``C``, where MaxText's
   Ulysses stops) are repeated ``C / gcd(kv_heads, C)`` times first, which
   multiplies their share of the exchange and of attention's key reads by that.
+- ``"usp"`` (Ulysses x ring, "unified sequence parallelism"): for any head
+  count. The ``C`` devices form ``R`` groups of ``U = gcd(C, heads)``
+  consecutive ones (:func:`~dtensor.core.attention_xla.usp_factors`); within
+  a group the sequence split becomes a head split as in ``"ulysses"`` (as
+  ``U - 1`` collective permutes a tensor), the groups pass their keys and
+  values round a ring of ``R - 1`` steps as in ``"ring"`` (not
+  load-balanced), and the output goes back within the group. ``U = C`` is
+  ``"ulysses"``, ``U = 1`` the ring.
 
 Heads are split over ``tensor`` (when it divides the key/value heads) and the
 batch over the batch axes (``data``, ``fsdp``, ``expert``), so attention needs
@@ -67,6 +75,7 @@ from dtensor.core.attention_xla import (
     gather_sequence,
     ring_attend,
     ulysses_attend,
+    usp_attend,
 )
 
 __all__ = [
@@ -117,7 +126,7 @@ def context_attention(
         window: with ``causal``, only the last ``window`` positions (a sliding
             window, Gemma 3's local layers; may be traced); ``None``: all.
         scale: the scores' factor (default ``head_dim ** -0.5``).
-        mode: ``"gather"``, ``"ring"`` or ``"ulysses"`` under a ``context`` axis
+        mode: ``"gather"``, ``"ring"``, ``"ulysses"`` or ``"usp"`` under a ``context`` axis
             (default: the innermost :func:`context_mode`, else ``"gather"``).
         axis: the mesh axis the sequence is split over.
         batch_axes: the mesh axes the batch is split over (default: those of
@@ -210,7 +219,7 @@ def context_attention(
         m = mask
         mb = batch_axes if m.shape[0] == query.shape[0] and batch_axes else None
         mh = heads if m.shape[1] == query.shape[2] else None
-        in_specs.append(P(mb, mh, None if mode == "ulysses" else axis, None))
+        in_specs.append(P(mb, mh, None if mode in ("ulysses", "usp") else axis, None))
         args.append(m)
     if window is not None:
         in_specs.append(P())
@@ -233,6 +242,8 @@ def context_attention(
             return attend(q, k_all, v_all, qpos, kpos, causal, w, m, scale)
         if mode == "ulysses":
             return ulysses_attend(q, k, v, m, w, me, c, axis, causal, scale)
+        if mode == "usp":
+            return usp_attend(q, k, v, m, w, me, c, axis, causal, scale)
         return ring_attend(q, k, v, m, w, me, c, axis, causal, balanced, scale)
 
     return jax.shard_map(

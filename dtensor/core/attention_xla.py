@@ -35,13 +35,15 @@ __all__ = [
     "ulysses_heads",
     "ulysses_repeats",
     "ulysses_rows",
+    "usp_attend",
+    "usp_factors",
 ]
 
 #: The name scope of the context-axis exchange (``explain`` finds its collectives by it).
 CONTEXT_SCOPE = "context_attention"
 
 #: The modes of :func:`dtensor.context_attention` under a ``context`` axis.
-MODES = ("gather", "ring", "ulysses")
+MODES = ("gather", "ring", "ulysses", "usp")
 
 _mode: list[str] = ["gather"]
 _NEG = -0.7 * float(np.finfo(np.float32).max)
@@ -146,10 +148,12 @@ def _fold(acc, new):
     return o * a[..., None] + o2 * b[..., None], m, total * a + total2 * b
 
 
-def ring_attend(q, k, v, mask, window, me, c, axis, causal, balanced, scale):
+def ring_attend(q, k, v, mask, window, me, c, axis, causal, balanced, scale, ring=None):
     """Ring attention of this device's queries (device ``me`` of ``c`` over ``axis``): the keys
     and values passed round the ring, one block folded in a step (recomputed in the backward
-    pass); ``balanced``: causal, the rows re-laid so every step is half a block everywhere."""
+    pass); ``balanced``: causal, the rows re-laid so every step is half a block everywhere.
+    ``ring``: the permute's ``(source, destination)`` pairs over ``axis`` (default: ``i`` to
+    ``i + 1``), for a ring of groups (``usp``: ``me`` and ``c`` count groups then)."""
     n = q.shape[1]  # this device's rows
     if balanced:
         q, k, v = (_to_balanced(x, me, c, axis) for x in (q, k, v))
@@ -162,7 +166,7 @@ def ring_attend(q, k, v, mask, window, me, c, axis, causal, balanced, scale):
     kvh = k.shape[2]
     shape = (b, kvh, h // kvh, n)
     acc = (jnp.zeros((*shape, d), jnp.float32), jnp.full(shape, _NEG), jnp.zeros(shape))
-    ring = [(i, (i + 1) % c) for i in range(c)]
+    ring = ring if ring is not None else [(i, (i + 1) % c) for i in range(c)]
 
     @jax.checkpoint
     def step(acc, k, v, src):
@@ -289,3 +293,65 @@ def ulysses_attend(q, k, v, mask, window, me, c, axis, causal, scale):
     if mask is not None and mask.shape[1] == h:  # per head: this device's heads
         mask = jax.lax.dynamic_slice_in_dim(mask, me * (h // c), h // c, axis=1)
     return ulysses_rows(attend(q, k, v, pos, pos, causal, window, mask, scale), axis)
+
+
+def usp_factors(c: int, heads: int) -> tuple[int, int]:
+    """``(U, R)`` of ``usp`` over ``c`` devices with ``heads`` query heads a device: the
+    largest Ulysses part ``U`` that divides both (all-to-alls within groups of ``U``
+    consecutive devices), the ring over the ``R = c / U`` groups."""
+    u = math.gcd(c, heads)
+    return u, c // u
+
+
+def _group_exchange(x, u, size, n, axis, src_axis, dst_axis):
+    """Within groups of ``size`` consecutive devices of the ``n`` over ``axis`` (this device
+    member ``u`` of its group):
+    ``x`` cut along ``src_axis`` into ``size`` blocks, block ``m`` sent to member ``m``, the
+    blocks received joined along ``dst_axis`` in member order (an all-to-all within each
+    group, as ``size - 1`` collective permutes)."""
+    width = x.shape[src_axis] // size
+    received = [jax.lax.dynamic_slice_in_dim(x, u * width, width, axis=src_axis)]
+    for j in range(1, size):
+        block = jax.lax.dynamic_slice_in_dim(x, ((u + j) % size) * width, width, axis=src_axis)
+        pairs = [(d, (d // size) * size + (d % size + j) % size) for d in range(n)]
+        with jax.named_scope(CONTEXT_SCOPE):
+            received.append(jax.lax.ppermute(block, axis, pairs))  # from member u - j
+    stacked = jnp.stack(received)  # [j]: from member (u - j) % size
+    order = (u - jnp.arange(size)) % size  # member m's block is at j = (u - m) % size
+    blocks = jnp.take(stacked, order, axis=0)
+    return jnp.concatenate([blocks[m] for m in range(size)], axis=dst_axis)
+
+
+def usp_attend(q, k, v, mask, window, me, c, axis, causal, scale):
+    """Ulysses x ring (USP) attention of this device's rows: ``c`` devices over ``axis`` in
+    ``R`` groups of ``U`` consecutive ones (:func:`usp_factors`). Within each group the
+    sequence split becomes a head split (each device the group's ``U`` row blocks of
+    ``heads / U`` heads; key/value heads repeated where they do not divide over ``U``);
+    across the groups, ring attention passes those keys and values round ``R`` steps; the
+    output's head split goes back to rows within the group. ``mask``: the whole
+    ``[b, heads | 1, S, S]``."""
+    h = q.shape[2]
+    u_size, r_size = usp_factors(c, h)
+    if u_size == 1:
+        return ring_attend(q, k, v, None if mask is None else _rows(mask, me, q.shape[1]),
+                           window, me, c, axis, causal, False, scale)  # fmt: skip
+    if r_size == 1:
+        return ulysses_attend(q, k, v, mask, window, me, c, axis, causal, scale)
+    u, g = me % u_size, me // u_size
+    r = ulysses_repeats(k.shape[2], u_size)
+    if r > 1:
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    q, k, v = (_group_exchange(x, u, u_size, c, axis, 2, 1) for x in (q, k, v))
+    rows = q.shape[1]  # the group's rows
+    if mask is not None:
+        if mask.shape[1] == h:
+            mask = jax.lax.dynamic_slice_in_dim(mask, u * (h // u_size), h // u_size, axis=1)
+        mask = _rows(mask, g, rows)
+    ring = [(d, (d + u_size) % c) for d in range(c)]
+    out = ring_attend(q, k, v, mask, window, g, r_size, axis, causal, False, scale, ring=ring)
+    return _group_exchange(out, u, u_size, c, axis, 1, 2)
+
+
+def _rows(mask, i, n):
+    """Query rows ``[i n, (i + 1) n)`` of a whole ``[b, h, S, S]`` mask."""
+    return jax.lax.dynamic_slice_in_dim(mask, i * n, n, axis=2)

@@ -71,7 +71,9 @@ class HybridStrategy(StepOptions):
             collective permutes, causal attention load-balanced) or ``"ulysses"``
             (all-to-alls from the sequence split to a head split around
             attention and back; the heads must divide over ``context``, key/value
-            heads are repeated where fewer); see :mod:`dtensor.core.attention`.
+            heads are repeated where fewer) or ``"usp"`` (Ulysses within groups of
+            ``gcd(context, heads)`` consecutive devices, a ring across the
+            groups: any head count); see :mod:`dtensor.core.attention`.
         stage: pipeline-parallel size. A ``stage`` mesh axis (after ``data``):
             the blocks of the classes named in ``pipeline=`` — a scanned stack
             (one module of stacked layers run by ``nnx.scan``) or a list of
@@ -196,7 +198,8 @@ class HybridStrategy(StepOptions):
                 f"HybridStrategy(context_mode={context_mode!r}): valid modes are "
                 f"{CONTEXT_MODES} ('gather': keys and values all-gathered over 'context'; "
                 "'ring': passed round a ring of collective permutes; 'ulysses': all-to-alls "
-                "to a head split around attention and back)."
+                "to a head split around attention and back; 'usp': Ulysses within groups, a "
+                "ring across them)."
             )
         self._check_pipeline(stage, microbatches, schedule, repeats, pipeline)
         mesh, self.across_slices = slice_mesh(dims, devices, across_slices)
