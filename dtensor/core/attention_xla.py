@@ -6,7 +6,8 @@ then :func:`attend`), ``"ring"`` (:func:`ring_attend`: ``C - 1`` collective perm
 block of scores a step folded into a running softmax; causal attention load-balanced) or
 ``"ulysses"`` (:func:`ulysses_attend`: all-to-alls from a sequence split to a head split and
 back, the whole sequence attended per head group; key/value heads repeated where fewer
-than the axis). Every
+than the axis) or ``"usp"`` (:func:`usp_attend`: Ulysses within groups of devices, a ring
+across them). Every
 exchange runs under the :data:`CONTEXT_SCOPE` name scope, by which ``explain`` counts it.
 These run inside :func:`jax.shard_map`; :func:`dtensor.context_attention` is the entry point.
 """
