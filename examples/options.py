@@ -331,7 +331,7 @@ def build_strategy(
     data = getattr(args, "data", None)
     if data and not hybrid:
         applied["data"] = "not available"
-    if hybrid and (args.tensor or decoder or across or expert > 1 or stage > 1 or data):
+    if hybrid and (args.tensor or decoder or across or expert > 1 or stage > 1 or data or wanted):
         from strategies.placement.slices import slice_count
 
         tensor = args.tensor or 1

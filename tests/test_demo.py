@@ -118,6 +118,10 @@ def test_demo_refuses_options_it_cannot_apply_naming_them_and_the_fix():
         console,
     )
     assert dict(staged.mesh.shape)["stage"] == 2
+    remat, _ = train.training_strategy(
+        train.parse_args(["--strategy", "hybrid", "--remat"]), None, console
+    )  # an option of the preset alone, no axis: applied too
+    assert remat.remat == (train.make_model_cls().Block,)
     plan = staged.pipeline_plan()
     assert plan.schedule == "zero-bubble" and plan.classes == (train.make_model_cls().Block,)
 
