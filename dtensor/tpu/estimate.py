@@ -210,13 +210,10 @@ def estimate(
     # gather and ring: the whole sequence's K/V of every local head.
     ulysses = plan.context > 1 and plan.context_mode == "ulysses"
     local_kv = facts.kv_heads // t if facts.kv_heads % t == 0 else facts.kv_heads
-    repeats = ulysses_repeats(max(int(local_kv), 1), plan.context) if ulysses else 1
+    repeats = ulysses_repeats(local_kv, plan.context) if ulysses else 1
     exchanged = tokens * (2 * hq + 2 * hkv * repeats) * cb  # q, out, k, v (Ulysses)
-    kv = (
-        (exchanged if ulysses else tokens * plan.context * 2 * hkv * cb)
-        if plan.context > 1
-        else 0.0
-    )
+    gathered_kv = tokens * plan.context * 2 * hkv * cb  # the whole sequence's K and V
+    kv = exchanged if ulysses else gathered_kv if plan.context > 1 else 0.0
     working = tokens * (everything if plan.remat != "none" else 0.0) + kv
     logits = logits_bytes(plan, facts, cb)
     working = max(working, logits)
@@ -266,7 +263,7 @@ def estimate(
     if ulysses:
         kv_bytes = _ring("all-to-all", exchanged, plan.context)
     else:
-        kv_bytes = _ring("all-gather", tokens * plan.context * 2 * hkv * cb, plan.context)
+        kv_bytes = _ring("all-gather", gathered_kv, plan.context)
     by_axis["context"] += kv_bytes * (3 if plan.remat == "full" else 2) * L / s
     if facts.experts:
         sent = tokens * facts.experts_per_token * d * cb
