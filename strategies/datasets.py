@@ -14,6 +14,7 @@ import numpy as np
 
 import dtensor
 from dtensor import LayoutError
+from dtensor.data.dataset import input_pipelines
 from strategies.replica.values import InputContext
 
 if TYPE_CHECKING:
@@ -87,10 +88,16 @@ def batch_dim(strategy: Strategy) -> str | tuple[str, ...]:
 
 
 def input_context(strategy: Strategy) -> InputContext:
-    """This process's :class:`InputContext` under ``strategy``."""
+    """This process's :class:`InputContext` under ``strategy``.
+
+    One input pipeline per set of processes holding the same rows: each
+    process on a data-parallel mesh, fewer where stages (or tensor, context
+    groups) span processes (:func:`dtensor.data.dataset.input_pipelines`).
+    """
+    count, index = input_pipelines(strategy.mesh, batch_dim(strategy))
     return InputContext(
-        num_input_pipelines=jax.process_count(),
-        input_pipeline_id=jax.process_index(),
+        num_input_pipelines=count,
+        input_pipeline_id=index,
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
 

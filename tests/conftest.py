@@ -155,6 +155,10 @@ EXTENDED = {
     "_on_2_processes": "minutes",
     "tests/multiprocess/test_example_presets.py::test_fine_tuning_from_a_hugging_face_checkpoint"
     "_on_2_processes": "minutes",
+    "tests/multiprocess/test_example_presets.py::test_stages_spanning_the_processes_read_one"
+    "_share_and_train_as_one_process[gpipe]": "variant",
+    "tests/multiprocess/test_example_presets.py::test_stages_spanning_the_processes_read_one"
+    "_share_and_train_as_one_process[1f1b]": "minutes",
     "tests/multiprocess/test_safetensors_multiprocess.py::test_train_py_exports_a_hugging_face"
     "_folder_from_two_processes": "minutes",
     # the single-device presets across processes (one device each); fully_sharded stays

@@ -148,7 +148,7 @@ def test_element_of_the_wrong_global_batch_size(mesh):
         list(DTensorDataset([{"x": np.ones((12, 2))}], mesh, global_batch_size=16))
     with pytest.raises(
         LayoutError,
-        match=r"a batch has 4 rows per process x 1 processes but global_batch_size is 8",
+        match=r"a batch has 4 rows per process x 1 input pipeline but global_batch_size is 8",
     ):
         list(
             DTensorDataset([{"x": np.ones((4, 2))}], mesh, global_batch_size=8, process_local=True)

@@ -6,8 +6,11 @@ Two kinds of input:
   each element is the whole global batch; only this process's blocks are
   copied to its devices (``jax.make_array_from_callback``).
 - *process-local* elements (``process_local=True``): each process yields only
-  its own share (``global_batch_size / num_processes`` rows), stitched into
-  global arrays with ``jax.make_array_from_process_local_data``.
+  its own share (``global_batch_size / pipelines`` rows), stitched into
+  global arrays with ``jax.make_array_from_process_local_data``. The
+  pipelines are the processes that hold distinct rows (:func:`input_pipelines`):
+  one a process on a data-parallel mesh, fewer where processes split another
+  axis (pipeline stages across processes hold the same rows).
 
 A background thread keeps a bounded buffer of batches already on the devices.
 Grain datasets and loaders (and any iterable whose iterator has
@@ -29,7 +32,55 @@ from dtensor.core.mesh import Mesh
 from dtensor.core.text import sizes_text
 from dtensor.data.resumable import ResumableIterator
 
-__all__ = ["DTensorDataset", "lists_to_arrays", "pad_batch"]
+__all__ = ["DTensorDataset", "input_pipelines", "lists_to_arrays", "pad_batch"]
+
+
+def input_pipelines(
+    mesh: Mesh, batch_dim: str | tuple[str, ...] | None
+) -> tuple[int, int]:
+    """How many processes read distinct rows of a batch split over ``batch_dim``, and which is this.
+
+    Processes whose devices hold the same rows (those that split the mesh over
+    an axis other than the batch's: pipeline stages, tensor or context groups
+    spanning processes) form one input pipeline and read the same share.
+
+    Returns:
+        ``(count, index)``: the number of input pipelines and this process's.
+
+    Raises:
+        LayoutError: processes hold overlapping but different sets of rows, so
+            no process-local share exists.
+
+    Examples:
+        >>> import dtensor
+        >>> from dtensor.data.dataset import input_pipelines
+        >>> input_pipelines(dtensor.create_mesh([("batch", 4), ("model", 2)]), "batch")
+        (1, 0)
+    """
+    axes = () if batch_dim is None else (batch_dim,) if isinstance(batch_dim, str) else batch_dim
+    devices, names = mesh.devices, mesh.dim_names
+    dims = [names.index(a) for a in axes]
+    sizes = tuple(devices.shape[d] for d in dims)
+    held: dict[int, set[int]] = {}
+    for where in np.ndindex(devices.shape):
+        block = int(np.ravel_multi_index(tuple(where[d] for d in dims), sizes)) if dims else 0
+        held.setdefault(devices[where].process_index, set()).add(block)
+    groups = sorted({frozenset(b) for b in held.values()}, key=min)
+    seen: set[int] = set()
+    for g in groups:
+        if g & seen:
+            shares = {p: sorted(b) for p, b in sorted(held.items())}
+            raise LayoutError(
+                f"the processes hold overlapping row blocks of a batch split over {batch_dim!r} "
+                f"({mesh!r}; blocks by process: {shares}), so no process can read a share of "
+                "its own. Order the mesh so that each process's devices hold whole blocks "
+                "(dtensor.create_mesh does), or feed global batches (process_local=False)."
+            )
+        seen |= g
+    mine = frozenset(held.get(jax.process_index(), ()))
+    if mine not in groups:  # this process holds no device of the mesh
+        return len(groups), 0
+    return len(groups), groups.index(mine)
 
 
 def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
@@ -178,6 +229,13 @@ class DTensorDataset:
                 )
             self._source = _ArrayBatches(dataset, global_batch_size, drop_remainder=not pad)
         self.num_shards = mesh.axis_size(batch_dim) if batch_dim is not None else 1
+        self.pipelines = (
+            input_pipelines(mesh, batch_dim)
+            if process_local and batch_dim is not None
+            else (jax.process_count(), jax.process_index())
+            if process_local
+            else (1, 0)
+        )
 
     # ------------------------------------------------------------------ placing
     def _layout_tree(self, batch: Any) -> Any:
@@ -199,7 +257,7 @@ class DTensorDataset:
         """Turn one host batch into global arrays (``(batch, weights)`` when padding)."""
         batch = lists_to_arrays(batch)
         rows = _rows(batch)
-        procs = jax.process_count() if self.process_local else 1
+        procs = self.pipelines[0]
         global_rows = rows * procs
         # With pad, a short (last) batch is padded up to the full global batch: one shape, one compile.
         short = (
@@ -211,7 +269,7 @@ class DTensorDataset:
             and not short
         ):
             what = (
-                f"{rows} rows per process x {procs} processes"
+                f"{rows} rows per process x {procs} input pipeline{'s' * (procs != 1)}"
                 if self.process_local
                 else f"{rows} rows"
             )
@@ -262,7 +320,7 @@ class DTensorDataset:
         x = np.asarray(x)
         if not self.process_local:
             return copy_to_mesh(x, layout, name=f"batch{name}")
-        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:]) if x.ndim else x.shape
+        global_shape = (x.shape[0] * self.pipelines[0], *x.shape[1:]) if x.ndim else x.shape
         layout.check_shape(global_shape, f"batch{name}")
         return jax.make_array_from_process_local_data(layout.sharding, x, global_shape)
 
@@ -281,6 +339,7 @@ class DTensorDataset:
             prefetch=self.prefetch,
             process_local=self.process_local,
             rows=_rows_or_none,
+            pipelines=self.pipelines[0],
         )
 
     def __len__(self) -> int:

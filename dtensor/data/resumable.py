@@ -95,6 +95,8 @@ class ResumableIterator:
         process_local: each process reads its own share (else every process
             reads the same global batches).
         rows: the rows of a host batch (for re-splitting positions).
+        pipelines: how many input pipelines read distinct shares (processes
+            by default; see :func:`dtensor.data.dataset.input_pipelines`).
 
     Examples:
         >>> import dtensor, grain, numpy as np
@@ -118,12 +120,14 @@ class ResumableIterator:
         prefetch: int,
         process_local: bool,
         rows: Callable[[Any], int | None],
+        pipelines: int | None = None,
     ) -> None:
         self._source: Any = source  # get_state/set_state where it has them
         self._place = place
         self._size = prefetch
         self._process_local = process_local
         self._rows_of = rows
+        self._pipelines = jax.process_count() if pipelines is None else pipelines
         self._resumable = checkpointable(source)
         self._batches = 0
         self._rows: int | None = None
@@ -168,6 +172,7 @@ class ResumableIterator:
             "rows": self._rows,
             "process_local": self._process_local,
             "process_count": jax.process_count(),
+            "pipelines": self._pipelines,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -188,13 +193,14 @@ class ResumableIterator:
                 index-based ``{"next_index": n}``, processes at different
                 batches, or a share that does not divide).
         """
-        saved, now = len(states), jax.process_count()
+        saved = int(states[0].get("pipelines", len(states)))
+        now = self._pipelines
         batches = {int(s.get("batches", -1)) for s in states}
         if len(batches) != 1:
             raise ValueError(f"the processes stopped at different batches {sorted(batches)}")
         k = batches.pop()
         if not states[0].get("process_local", True):  # every process read the same global batches
-            return dict(states[0], process_count=now)
+            return dict(states[0], process_count=jax.process_count(), pipelines=now)
         sources = [s.get("source") for s in states]
         if not all(isinstance(s, dict) and set(s) == {"next_index"} for s in sources):
             raise ValueError(
@@ -210,7 +216,8 @@ class ResumableIterator:
             global_rows = int(rows) * saved
             if global_rows % now:
                 raise ValueError(
-                    f"the global batch of {global_rows} rows does not divide over {now} processes"
+                    f"the global batch of {global_rows} rows does not divide over {now} input "
+                    "pipelines"
                 )
             n = k * global_rows // now
         else:
@@ -224,7 +231,8 @@ class ResumableIterator:
             "source": {"next_index": n},
             "rows": None if rows is None else int(rows) * saved // now,
             "process_local": True,
-            "process_count": now,
+            "process_count": jax.process_count(),
+            "pipelines": now,
         }
 
     def close(self) -> None:

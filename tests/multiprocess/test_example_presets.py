@@ -82,3 +82,17 @@ def test_fine_tuning_from_a_hugging_face_checkpoint_on_2_processes(tmp_path):
     assert two["init_from"] == str(tmp_path / "hf")
     for key in ("loss_first", "loss_last"):
         assert two[key] == pytest.approx(one[key], rel=2e-5), key
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_spanning_the_processes_read_one_share_and_train_as_one_process(
+    schedule, one_process, tmp_path
+):
+    """``--stage 2`` on 2 processes: each process holds one stage of every row, so both read
+    the whole batch (one input pipeline), not half of it each."""
+    args = ["--strategy", "hybrid", "--stage", "2", "--schedule", schedule]
+    result = _train(tmp_path, *args, processes=2)
+    assert (result["processes"], result["devices"]) == (2, 8)
+    for key in ("loss_first", "loss_last"):
+        assert result[key] == pytest.approx(one_process[key], rel=2e-5), (schedule, key)
