@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dtensor.analysis.host_link import host_transfers
+
 from .maxtext_driver import Row, seq_of
 
 __all__ = ["GIB", "analyse", "model_flops_of", "peak_bytes", "result_row"]
@@ -67,12 +69,14 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
     )
     devices = len(record["slices"])
     chip = CHIPS[record["device_kind"]]
+    moved = host_transfers(hlo_text)
     floor = step_floor(
         record["matmul_flops"] / devices,
         by_network["ici"],
         by_network["dcn"],
         chip,
         devices=devices,
+        host_bytes_per_device=max(moved.to_host_bytes, moved.from_host_bytes),
     )
     return {
         "peak_bytes_per_chip": peak_bytes(record["memory"]),

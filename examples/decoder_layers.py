@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 if TYPE_CHECKING:
     from examples.decoder_config import DecoderConfig
@@ -92,9 +93,15 @@ class Attention(nnx.Module):
         base: jax.Array | None = None,
     ) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, read_param(self.query, dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, read_param(self.key, dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, read_param(self.value, dt))
+        # Each tensor a per-tensor remat_policy can keep, offload or recompute is named as
+        # MaxText names it (strategies.reads.remat_plan.DECODER_NAMES).
+        q = checkpoint_name(
+            jnp.einsum("bsd,dhk->bshk", x, read_param(self.query, dt)), "query_proj"
+        )
+        k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, read_param(self.key, dt)), "key_proj")
+        v = checkpoint_name(
+            jnp.einsum("bsd,dhk->bshk", x, read_param(self.value, dt)), "value_proj"
+        )
         if cfg.block == "gemma3":
             q, k = self.query_norm(q), self.key_norm(k)
         base = cfg.rope_base if base is None else base
@@ -116,7 +123,7 @@ class Attention(nnx.Module):
                 scale=1.0,
                 implementation="splash" if splash else "xla",
             )
-            return jnp.einsum("bshk,hkd->bsd", ctx, read_param(self.out, dt))
+            return self._out(ctx)
         if kind == "cudnn" and window is None:  # query head i reads KV head i // group
             ctx = jax.nn.dot_product_attention(
                 q.reshape(b, s, cfg.heads, hd),
@@ -126,7 +133,7 @@ class Attention(nnx.Module):
                 is_causal=True,
                 implementation="cudnn",
             )
-            return jnp.einsum("bshk,hkd->bsd", ctx, read_param(self.out, dt))
+            return self._out(ctx)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         causal = positions[:, None] >= positions[None, :]
         if window is not None:  # a sliding-window layer sees the last ``window`` positions
@@ -134,7 +141,12 @@ class Attention(nnx.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.heads, hd)
-        return jnp.einsum("bshk,hkd->bsd", ctx, read_param(self.out, dt))
+        return self._out(ctx)
+
+    def _out(self, ctx: jax.Array) -> jax.Array:
+        ctx = checkpoint_name(ctx, "context")
+        out = jnp.einsum("bshk,hkd->bsd", ctx, read_param(self.out, self.cfg.dtype))
+        return checkpoint_name(out, "out_proj")
 
 
 def attention_kind(cfg: DecoderConfig, dtype: Any, seq: int, window: Any = None) -> str:
@@ -181,8 +193,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        h = self.act(x @ read_param(self.gate, dt)) * (x @ read_param(self.up, dt))
-        return h @ read_param(self.down, dt)
+        gate = checkpoint_name(x @ read_param(self.gate, dt), "mlpwi_0")
+        up = checkpoint_name(x @ read_param(self.up, dt), "mlpwi_1")
+        return checkpoint_name((self.act(gate) * up) @ read_param(self.down, dt), "mlpwo")
 
 
 class Experts(nnx.Module):
@@ -259,6 +272,7 @@ class Block(nnx.Module):
         window: jax.Array | None = None,
         base: jax.Array | None = None,
     ) -> Any:
+        x = checkpoint_name(x, "decoder_layer_input")
         y = self.attn(self.attn_norm(x), positions, window, base)
         if hasattr(self, "post_attn_norm"):
             y = self.post_attn_norm(y)

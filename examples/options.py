@@ -102,7 +102,10 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
     p.add_argument(
         "--remat-policy",
         default=None,
-        help="with --remat: a jax.checkpoint_policies name (e.g. dots_saveable); default: save only block inputs",
+        help="with --remat: what each block keeps on device, offloads to host or recomputes: "
+        "MaxText's names (save_qkv_proj, qkv_proj_offloaded, minimal_offloaded, ...), "
+        "per tensor ('decoder_layer_input=offload,query_proj=device'), or a "
+        "jax.checkpoint_policies name (dots_saveable); default: keep only block inputs",
     )
     p.add_argument(
         "--data",

@@ -28,6 +28,7 @@ from strategies.presets.parameter_server import ParameterServerStrategy as Param
 from strategies.presets.tensor_parallel import TensorParallelStrategy as TensorParallelStrategy
 from strategies.presets.tpu import TPUStrategy as TPUStrategy
 from strategies.reads.mixed_precision import MixedPrecision as MixedPrecision
+from strategies.reads.remat_plan import RematPolicy as RematPolicy
 from strategies.registry import PRESET_NAMES as PRESET_NAMES
 from strategies.registry import describe_presets as describe_presets
 from strategies.registry import from_name as from_name
@@ -76,6 +77,7 @@ __all__ = [
     "PerWorkerValues",
     "ReduceOp",
     "ReductionToOneDevice",
+    "RematPolicy",
     "RemoteValue",
     "ReplicaContext",
     "Strategy",

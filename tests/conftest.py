@@ -59,6 +59,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+
 def _cpu_compiles_only() -> None:
     """This process's CPU compiles share the run's cache too; its TPU and GPU compiles do not.
 

@@ -54,6 +54,7 @@ from dtensor.analysis.findings import (
 )
 from dtensor.analysis.floor import floor_for
 from dtensor.analysis.hlo import Collective, parse_collectives
+from dtensor.analysis.host_link import host_transfers
 from dtensor.analysis.minimum import dispatch_minimum, minimum_for
 from dtensor.analysis.peak import PeakTerms, ideal_peak_bytes
 from dtensor.analysis.report import Finding, Report
@@ -190,9 +191,8 @@ def explain(
     mesh = _program_mesh(compiled)
     mesh_shape = list(mesh.shape.items()) if mesh is not None else None
     slices, hosts = _slices(mesh), _hosts(mesh)
-    collectives = tuple(
-        parse_collectives(compiled.as_text() or "", mesh_shape, slices=slices, hosts=hosts)
-    )
+    hlo_text = compiled.as_text() or ""
+    collectives = tuple(parse_collectives(hlo_text, mesh_shape, slices=slices, hosts=hosts))
     in_shardings = compiled.input_shardings[0]
     findings, batch_axes = _check_args(args, in_shardings, var_arg)
     data = _data_axes(data_axes, batch_axes, mesh)
@@ -218,7 +218,14 @@ def explain(
     jaxpr = traced.jaxpr if traced is not None else None
     terms = peak_terms(jaxpr, args, in_shardings, var_arg, infos, data, mesh, kept_axes)
     ideal = (ideal_peak or ideal_peak_bytes)(terms)
-    floor = floor_for(jaxpr, collectives, _network_bytes(collectives, "dcn", slices), mesh)
+    moved = host_transfers(hlo_text)
+    floor = floor_for(
+        jaxpr,
+        collectives,
+        _network_bytes(collectives, "dcn", slices),
+        mesh,
+        host_bytes=max(moved.to_host_bytes, moved.from_host_bytes),
+    )
     minimum, references = minimum_for(
         jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh, kept_axes
     )

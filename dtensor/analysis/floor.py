@@ -14,7 +14,13 @@ The floor is the larger of
   its data into each host over those GPUs' ``g`` NICs (an all-reduce twice),
   whatever NCCL's algorithm (ring, tree, hierarchical): the between-hosts term
   takes that, ``ring bytes x (h-1)/h / ((n-1)/n) / g``, not the ring bytes
-  (which would charge every byte of a 64-GPU all-gather to the network).
+  (which would charge every byte of a 64-GPU all-gather to the network);
+- host link: the bytes a device moves between its memory and host memory
+  (activations a ``remat_policy`` offloads, read from the compiled program by
+  :mod:`dtensor.analysis.host_link`), the larger direction, over the chip's
+  link to its host (each direction at once; the copies are asynchronous, so
+  they overlap compute and the floor takes the larger, not the sum). No
+  figure for GPUs yet: there the term is left out.
 
 The FLOPs are counted on the step's jaxpr, every ``dot_general`` at
 ``2 * output elements * contracted size``: the forward pass, the backward
@@ -69,11 +75,15 @@ class StepFloor:
     devices: int = 1
     peak_flops: float = 0.0
     networks: tuple[str, str] = ("ICI", "DCN")
+    host_link_seconds: float = 0.0
+    host_link_bytes_per_s: float | None = None
 
     @property
     def seconds(self) -> float:
-        """The floor: the larger of compute and communication."""
-        return max(self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0)
+        """The floor: the larger of compute, communication and the host link."""
+        return max(
+            self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0, self.host_link_seconds
+        )
 
     @property
     def bound(self) -> str:
@@ -82,6 +92,7 @@ class StepFloor:
         within, between = self.networks
         terms = {"compute": self.compute_seconds, within: self.ici_seconds}
         terms[between] = self.dcn_seconds or 0.0
+        terms["host link"] = self.host_link_seconds
         return max(terms, key=lambda k: terms[k])
 
     def mfu_ceiling(self, model_flops: float) -> float:
@@ -262,6 +273,7 @@ def step_floor(
     chip: Chip,
     *,
     devices: int = 1,
+    host_bytes_per_device: float = 0.0,
 ) -> StepFloor:
     """The floor of a step on ``chip`` (see the module docs).
 
@@ -282,14 +294,21 @@ def step_floor(
         devices=int(devices),
         peak_flops=chip.peak_flops,
         networks=chip.networks,
+        host_link_seconds=(
+            host_bytes_per_device / chip.host_bytes_per_s if chip.host_bytes_per_s else 0.0
+        ),
+        host_link_bytes_per_s=chip.host_bytes_per_s,
     )
 
 
-def floor_for(jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any) -> StepFloor | None:
+def floor_for(
+    jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any, *, host_bytes: float = 0.0
+) -> StepFloor | None:
     """The floor of a compiled step on its mesh's chip (``None`` for a chip not in the
     hardware table, or without a jaxpr): ``collectives`` are its
     :class:`dtensor.analysis.hlo.Collective` s, ``dcn_bytes`` those that cross slices
-    (on GPUs: hosts)."""
+    (on GPUs: hosts), ``host_bytes`` what a device moves to or from host memory (the larger
+    direction)."""
     chip = chip_of(mesh.device_list) if mesh is not None else None
     if chip is None or jaxpr is None or mesh is None:
         return None
@@ -299,9 +318,13 @@ def floor_for(jaxpr: Any, collectives: Any, dcn_bytes: float | None, mesh: Any) 
         ib = [c for c in collectives if c.network == "ib"]
         within = total - sum(c.total_bytes_per_device for c in ib)
         between = sum(between_hosts_bytes(c, mesh) for c in ib)
-        return step_floor(flops, within, between, chip, devices=mesh.size)
+        return step_floor(
+            flops, within, between, chip, devices=mesh.size, host_bytes_per_device=host_bytes
+        )
     dcn = dcn_bytes or 0.0
-    return step_floor(flops, total - dcn, dcn, chip, devices=mesh.size)
+    return step_floor(
+        flops, total - dcn, dcn, chip, devices=mesh.size, host_bytes_per_device=host_bytes
+    )
 
 
 def between_hosts_bytes(collective: Any, mesh: Any) -> float:

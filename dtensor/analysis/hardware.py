@@ -20,6 +20,12 @@ generation, read 2026-12):
   2023): 275 TFLOP/s, 32 GiB HBM, six ICI links of 50 GB/s; no DCN figure per
   chip is published.
 
+HBM bandwidth per chip (the same pages): v4 1200 GB/s, v5e 819, v5p 2765,
+v6e 1640. The link between a chip and its host (PCIe; Google publishes no
+per-chip figure): 32 GB/s each way, the upper end of the 16-32 GB/s a TPU's
+PCIe link carries by the JAX Scaling Book ("How to Scale Your Model", part 2,
+"How to think about TPUs"), so that the host-link term of the floor errs low.
+
 A collective's bytes per device (the ring model of
 :mod:`dtensor.analysis.collective`) leave a chip over all its ICI links at
 once at best, so the floor divides them by the chip's egress bandwidth, half
@@ -54,7 +60,9 @@ class Chip:
     hosts' data-centre network (``None`` where none is published);
     ``usable_hbm_gib`` what the compiler lets one program use per chip;
     ``networks`` the names of the two networks (``("NVLink", "IB")`` for a
-    GPU: within a host, between hosts).
+    GPU: within a host, between hosts); ``hbm_bytes_per_s`` its memory
+    bandwidth and ``host_bytes_per_s`` its link to host memory, each way
+    (``None``: no figure).
     """
 
     generation: str
@@ -64,12 +72,23 @@ class Chip:
     ici_bytes_per_s: float
     dcn_bytes_per_s: float | None
     networks: tuple[str, str] = ("ICI", "DCN")
+    hbm_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
 
 
-_V4 = Chip("v4", 275e12, 32, 30.75, 300 * GB, None)
-_V5E = Chip("v5e", 197e12, 16, 15.75, 200 * GB, 25e9 / 8)
-_V5P = Chip("v5p", 459e12, 95, 95.74, 600 * GB, 50e9 / 8)
-_V6E = Chip("v6e", 918e12, 32, 31.25, 400 * GB, 100e9 / 8)
+_HOST = 32 * GB  # a TPU chip's PCIe link to its host, each way (upper end: see above)
+_V4 = Chip(
+    "v4", 275e12, 32, 30.75, 300 * GB, None, hbm_bytes_per_s=1200 * GB, host_bytes_per_s=_HOST
+)
+_V5E = Chip(
+    "v5e", 197e12, 16, 15.75, 200 * GB, 25e9 / 8, hbm_bytes_per_s=819 * GB, host_bytes_per_s=_HOST
+)
+_V5P = Chip(
+    "v5p", 459e12, 95, 95.74, 600 * GB, 50e9 / 8, hbm_bytes_per_s=2765 * GB, host_bytes_per_s=_HOST
+)
+_V6E = Chip(
+    "v6e", 918e12, 32, 31.25, 400 * GB, 100e9 / 8, hbm_bytes_per_s=1640 * GB, host_bytes_per_s=_HOST
+)
 
 #: ``device_kind`` -> :class:`Chip`. The usable HBM is the "available HBM" of the TPU
 #: compiler's out-of-memory error (libtpu 0.0.42; the rest is reserved), per chip: one

@@ -282,12 +282,17 @@ _CALLS = re.compile(
 )
 
 
-def _trip_from_condition(comps: dict[str, list[Instr]], ins: Instr) -> int:
+def _trip_from_condition(
+    comps: dict[str, list[Instr]], ins: Instr, parent: list[Instr] | None = None
+) -> int:
     """A while loop's trip count from its condition ``counter < constant(N)`` (else 1).
 
     The TPU compiler's optimised HLO drops ``known_trip_count``; a ``jax.lax``
     loop (``scan``, ``fori_loop``) still compares its counter, which starts at
-    0, against the constant trip count.
+    0, against the constant trip count; a loop whose first iteration the
+    compiler peeled off (``loop_peel``) starts it at 1: where the counter's
+    initial value is a constant in the loop's tuple (``parent``: the
+    instructions of the computation running the loop), it is subtracted.
     """
     m = re.search(r"condition=%?([\w.\-]+)", ins.rest)
     cond = comps.get(m.group(1), []) if m else []
@@ -307,10 +312,36 @@ def _trip_from_condition(comps: dict[str, list[Instr]], ins: Instr) -> int:
         if len(ops) < 2:
             continue
         if "direction=LT" in c.rest and ops[1] in consts:
-            return max(consts[ops[1]], 1)
+            return max(consts[ops[1]] - _start(cond, ops[0], ins, parent), 1)
         if "direction=GT" in c.rest and ops[0] in consts:
-            return max(consts[ops[0]], 1)
+            return max(consts[ops[0]] - _start(cond, ops[1], ins, parent), 1)
     return 1
+
+
+def _start(cond: list[Instr], counter: str, loop: Instr, parent: list[Instr] | None) -> int:
+    """The initial value of a loop's ``counter`` (a tuple element of its state) where the
+    loop's initial tuple holds it as a constant; 0 otherwise."""
+    if not parent:
+        return 0
+    by_name = {i.name: i for i in parent}
+    gte = next((c for c in cond if c.name == counter and c.opcode == "get-tuple-element"), None)
+    index = re.search(r"index=(\d+)", gte.rest) if gte is not None else None
+    init = re.match(r"\(\s*(?:[^%)]*\s)?%?([\w.\-]+)", loop.rest)
+    state = by_name.get(init.group(1)) if init else None
+    if index is None or state is None or state.opcode != "tuple":
+        return 0
+    items = re.findall(r"%([\w.\-]+)", state.rest.split(")", 1)[0])
+    k = int(index.group(1))
+    first = by_name.get(items[k]) if k < len(items) else None
+    for _ in range(8):  # through copies of the constant
+        if first is None or first.opcode not in ("copy", "bitcast"):
+            break
+        source = re.findall(r"%([\w.\-]+)", first.rest.split(")", 1)[0])
+        first = by_name.get(source[0]) if source else None
+    if first is None or first.opcode != "constant":
+        return 0
+    value = re.match(r"\(\s*(-?\d+)\s*\)", first.rest)
+    return int(value.group(1)) if value else 0
 
 
 def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, int]:
@@ -321,7 +352,7 @@ def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, i
             trip = 1
             if ins.opcode == "while":
                 m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', ins.rest)
-                trip = int(m.group(1)) if m else _trip_from_condition(comps, ins)
+                trip = int(m.group(1)) if m else _trip_from_condition(comps, ins, instrs)
             # A conditional taken one run in N (dtensor.pipeline's hand-off, its name
             # scope ``..._1_in_N_ticks``): each branch runs 1/N as often as its caller.
             taken = ins.opcode == "conditional" and re.search(

@@ -35,9 +35,7 @@ from dtensor.data.resumable import ResumableIterator
 __all__ = ["DTensorDataset", "input_pipelines", "lists_to_arrays", "pad_batch"]
 
 
-def input_pipelines(
-    mesh: Mesh, batch_dim: str | tuple[str, ...] | None
-) -> tuple[int, int]:
+def input_pipelines(mesh: Mesh, batch_dim: str | tuple[str, ...] | None) -> tuple[int, int]:
     """How many processes read distinct rows of a batch split over ``batch_dim``, and which is this.
 
     Processes whose devices hold the same rows (those that split the mesh over

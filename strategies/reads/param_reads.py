@@ -235,7 +235,15 @@ def _traced(
         _swap_modules(modules, owners, options, split_by)
 
     def step(state: Any, arrays: list[Any]) -> Any:
+        named = options.remat_policy if options.remat else None
+        if hasattr(named, "check"):
+            named.reset()
         new_state, out = call(state, arrays, prepare=prepare)
+        if hasattr(named, "check"):
+            try:
+                named.check()
+            except ValueError as err:
+                raise RematClassError(str(err)) from None
         return swaps.strip(new_state), swaps.strip(out)
 
     return step
@@ -364,6 +372,13 @@ def _swap_modules(
         base = swaps.swapped_base(type(modules[path]))
         return bool(options.remat) and issubclass(base, options.remat)
 
+    plan_tags = getattr(options.remat_policy, "tags", ()) if options.remat else ()
+
+    def tags_of(module: Any) -> tuple[str | None, str | None]:
+        base = swaps.swapped_base(type(module))
+        found = {w: n for c, w, n in reversed(plan_tags) if issubclass(base, c)}
+        return found.get("input"), found.get("output")
+
     # A module rematerialised to re-gather its own weights, whose descendants are
     # rematerialised too (named, or owners of their own sharded weights), would wrap them all
     # in one checkpoint: the model's root owning the embedding would recompute the whole
@@ -392,6 +407,7 @@ def _swap_modules(
             batch_axes=options.batch_axes if named and not options.gather else (),
             sequence_axes=options.sequence_axes if named and not options.gather else (),
             layer_sequence_axes=options.layer_sequence_axes,
+            tags=tags_of(module),
         )
         if named or reshard:
             rematted.append(path)
@@ -412,6 +428,12 @@ def _swap_modules(
         swapped = swaps.swapped_base(type(module)) is not type(module)
         if path and path[:-1] in layers and path in split_by and not swapped:
             swaps.swap_entry(module)
+    # A per-tensor remat_policy naming module classes' inputs or outputs: the other calls of
+    # those classes tagged (those swapped above were tagged with their swap).
+    for module in modules.values() if plan_tags else ():
+        tags = tags_of(module)
+        if tags != (None, None) and swaps.swapped_base(type(module)) is type(module):
+            swaps.swap_call(module, remat=False, tags=tags)
 
 
 def _over(entry: Any, axes: tuple[str, ...]) -> bool:

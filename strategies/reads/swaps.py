@@ -118,16 +118,25 @@ _POLICIES = (
 
 
 def remat_policy(policy: Any) -> Any:
-    """A ``jax.checkpoint`` policy from ``remat_policy=`` (a name, a callable, or ``None``).
+    """A ``jax.checkpoint`` policy from ``remat_policy=``: a ``jax.checkpoint_policies`` name
+    or callable, a per-tensor plan (:mod:`strategies.reads.remat_plan`: MaxText's policy
+    names, ``"name=device|offload|remat,..."``, a mapping, a ``RematPolicy``), or ``None``.
 
     Examples:
         >>> import jax
         >>> from strategies.reads.swaps import remat_policy
         >>> remat_policy("dots_saveable") is jax.checkpoint_policies.dots_saveable
         True
-        >>> remat_policy(None) is None
-        True
+        >>> remat_policy(None) is None, remat_policy("full") is None
+        (True, True)
+        >>> remat_policy("qkv_proj_offloaded").plan.offload
+        ('query_proj', 'key_proj', 'value_proj')
     """
+    from strategies.reads.remat_plan import RematPolicy, parse
+
+    policy = parse(policy)
+    if isinstance(policy, RematPolicy):
+        return policy.jax_policy
     if policy is None:
         return None
     name = policy if isinstance(policy, str) else getattr(policy, "__qualname__", "")
@@ -144,10 +153,17 @@ def remat_policy(policy: Any) -> Any:
     if isinstance(policy, str) and policy in _POLICIES:
         return getattr(jax.checkpoint_policies, policy)
     raise ValueError(
-        f"remat_policy={policy!r} is not a checkpoint policy; valid names are {_POLICIES}, or "
-        "pass a callable from jax.checkpoint_policies (e.g. save_only_these_names('x')), or "
-        "None to save only each block's inputs."
+        f"remat_policy={policy!r} is not a checkpoint policy; valid names are {_POLICIES} "
+        f"(JAX's), {tuple(_presets())} (MaxText's), 'name=device|offload|remat,...' (per "
+        "tensor), a callable from jax.checkpoint_policies, or None to save only each block's "
+        "inputs."
     )
+
+
+def _presets() -> Any:
+    from strategies.reads.remat_plan import PRESETS
+
+    return PRESETS
 
 
 def _is_array(x: Any) -> bool:
@@ -218,10 +234,13 @@ def _call_class(
     stacked: tuple[int, ...] | None = None,
     sequence_axes: tuple[str, ...] = (),
     layer_sequence_axes: tuple[str, ...] | None = None,
+    tags: tuple[str | None, str | None] = (None, None),
 ) -> type:
     own = embed and base.__call__ is not nnx.Embed.__call__  # a subclass's own __call__
     inner = _embed_call if embed and not own else base.__call__
     bases = (base, _EmbedLookup) if own else (base,)
+    if tags != (None, None):
+        inner = _tagged(inner, *tags)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not remat and batch_axes and stacked and not getattr(_local, "layer", False):
@@ -259,6 +278,24 @@ def _call_class(
         return out
 
     return type(base.__name__, bases, {"__call__": __call__, _BASE: base})
+
+
+def _tagged(inner: Callable[..., Any], before: str | None, after: str | None) -> Any:
+    """``inner`` with its first array argument named ``before`` and its array outputs named
+    ``after`` (``checkpoint_name``: what a per-tensor ``remat_policy`` keeps or offloads)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            at = next((i for i, x in enumerate(args) if _is_array(x)), None)
+            if at is not None:
+                args = (*args[:at], checkpoint_name(args[at], before), *args[at + 1 :])
+        out = inner(self, *args, **kwargs)
+        if after is None:
+            return out
+        return jax.tree.map(lambda x: checkpoint_name(x, after) if _is_array(x) else x, out)
+
+    return call
 
 
 _local = threading.local()
@@ -382,6 +419,7 @@ def swap_call(
     batch_axes: tuple[str, ...] = (),
     sequence_axes: tuple[str, ...] = (),
     layer_sequence_axes: tuple[str, ...] | None = None,
+    tags: tuple[str | None, str | None] = (None, None),
 ) -> None:
     """Give ``module`` (an object merged inside a trace) a cached subclass with a wrapped ``__call__``.
 
@@ -401,6 +439,8 @@ def swap_call(
     ``layer_sequence_axes``: the axes of ``sequence_axes`` the layer's own
     computation keeps the sequence split over; its sublayers swapped by
     :func:`swap_entry` gather the rest (``None``: keeps all).
+    ``tags``: ``checkpoint_name``\\ s given to the call's first array input and its array
+    outputs (a per-tensor ``remat_policy`` naming a module class's input or output).
     """
     base = swapped_base(type(module))
     stacked = _first_shape(module) if batch_axes else None
@@ -414,6 +454,7 @@ def swap_call(
         stacked,
         tuple(sequence_axes),
         None if layer_sequence_axes is None else tuple(layer_sequence_axes),
+        tuple(tags),
     )
 
 
