@@ -90,6 +90,13 @@ OPTIONS: dict[str, list[str]] = {
     },
 }
 
+# per-tensor memory plans (remat_policy=, MaxText's names) on the hand-configured 70B plan
+for _policy in ("qkv_proj_offloaded", "minimal_offloaded", "layer_input_offloaded"):
+    OPTIONS[f"hybrid tensor=2 + bf16 + remat ({_policy}) + scan"] = [
+        *OPTIONS["hybrid tensor=2 + bf16 + remat + scan"],
+        *("--remat-policy", _policy),
+    ]
+
 # the search's choice for Llama 3.1 405B: the loss by token slices
 OPTIONS["hybrid tensor=4 + bf16 + remat + scan + loss by tokens"] = [
     *OPTIONS["hybrid tensor=4 + bf16 + remat + scan"],

@@ -65,6 +65,7 @@ from dtensor.analysis.hlo_text import (
     ints,
     multipliers,
     parse_shapes,
+    tuple_items,
 )
 from dtensor.analysis.hlo_text import parse_replica_groups as parse_replica_groups
 
@@ -150,8 +151,8 @@ def parse_collectives(
             if ins.opcode == "ragged-all-to-all-start":
                 # Async (XLA:GPU; libtpu from 0.0.3x): ``((operands...), result, ...)`` with
                 # trailing tokens or u32 scalars; the first operand is the input buffer.
-                operands, result = _tuple_items(ins.shape)[:2]
-                sent = min(_tuple_items(operands)[0], result, key=_shape_elements)
+                operands, result = tuple_items(ins.shape)[:2]
+                sent = min(tuple_items(operands)[0], result, key=_shape_elements)
                 out.extend(
                     _collective("all-to-all", ins, sent, mults[comp], mesh_shape, num_devices, net)
                 )
@@ -197,25 +198,6 @@ def _chain_copies(comps: dict[str, list[Instr]]) -> set[str]:
             else:
                 started.add(channel)
     return {n for channel, names in repeats.items() if channel in started for n in names}
-
-
-def _tuple_items(shape: str) -> list[str]:
-    """The top-level items of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array."""
-    shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
-    if not shape.startswith("("):
-        return [shape]
-    items, depth, start = [], 0, 1
-    for i, ch in enumerate(shape):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if (ch == "," and depth == 1) or (depth == 0 and i > 0):
-            items.append(shape[start:i].strip())
-            start = i + 1
-        if depth == 0 and i > 0:
-            break
-    return [it for it in items if it]
 
 
 def _shape_elements(shape: str) -> int:

@@ -23,6 +23,7 @@ __all__ = [
     "parse_instr",
     "parse_replica_groups",
     "parse_shapes",
+    "tuple_items",
 ]
 
 
@@ -50,6 +51,25 @@ def parse_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(dtype, dims)`` of every array in an HLO shape (tuples flattened)."""
     shape = re.sub(r"/\*.*?\*/", "", shape)
     return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
+
+
+def tuple_items(shape: str) -> list[str]:
+    """The top-level items of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array."""
+    shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    items, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (depth == 0 and i > 0):
+            items.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0 and i > 0:
+            break
+    return [it for it in items if it]
 
 
 @dataclasses.dataclass(slots=True)

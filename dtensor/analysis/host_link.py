@@ -20,7 +20,13 @@ import dataclasses
 import math
 import re
 
-from dtensor.analysis.hlo_text import Instr, computations, multipliers, parse_shapes
+from dtensor.analysis.hlo_text import (
+    Instr,
+    computations,
+    multipliers,
+    parse_shapes,
+    tuple_items,
+)
 
 __all__ = ["HostTraffic", "Transfer", "host_transfers"]
 
@@ -98,7 +104,7 @@ def host_transfers(text: str) -> HostTraffic:
 def _transfer(ins: Instr, shapes: dict[str, str]) -> tuple[str, str] | None:
     """``(direction, array shape)`` of one instruction that moves data to or from host memory."""
     if ins.opcode in _ASYNC:
-        items = _items(ins.shape)
+        items = tuple_items(ins.shape)
         if ins.opcode == "copy-start" and len(items) >= 2:
             dst, src = items[0], items[1]
             if HOST in dst and HOST not in src:
@@ -106,11 +112,11 @@ def _transfer(ins: Instr, shapes: dict[str, str]) -> tuple[str, str] | None:
             if HOST in src and HOST not in dst:
                 return "from host", dst
         if ins.opcode == "dynamic-update-slice-start" and items:
-            inner = _items(items[0])
+            inner = tuple_items(items[0])
             if len(inner) >= 2 and HOST in inner[0] and HOST not in inner[1]:
                 return "to host", inner[1]
         if ins.opcode == "dynamic-slice-start" and len(items) >= 2:
-            inner = _items(items[0])
+            inner = tuple_items(items[0])
             if inner and HOST in inner[0] and HOST not in items[1]:
                 return "from host", items[1]
         return None
@@ -141,26 +147,6 @@ def _close(rest: str) -> int:
         if depth == 0:
             return i
     return len(rest)
-
-
-def _items(shape: str) -> list[str]:
-    """The top-level items of a tuple shape (``[shape]`` for an array)."""
-    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
-    if not shape.startswith("("):
-        return [shape]
-    items, depth, start = [], 0, 1
-    for i, ch in enumerate(shape):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if depth == 1 and ch == ",":
-            items.append(shape[start:i].strip())
-            start = i + 1
-        elif depth == 0:
-            items.append(shape[start:i].strip())
-            break
-    return [it for it in items if it]
 
 
 def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:

@@ -62,7 +62,8 @@ def input_pipelines(mesh: Mesh, batch_dim: str | tuple[str, ...] | None) -> tupl
     held: dict[int, set[int]] = {}
     for where in np.ndindex(devices.shape):
         block = int(np.ravel_multi_index(tuple(where[d] for d in dims), sizes)) if dims else 0
-        held.setdefault(devices[where].process_index, set()).add(block)
+        device: Any = devices[where]
+        held.setdefault(device.process_index, set()).add(block)
     groups = sorted({frozenset(b) for b in held.values()}, key=min)
     seen: set[int] = set()
     for g in groups:

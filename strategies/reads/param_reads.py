@@ -235,11 +235,12 @@ def _traced(
         _swap_modules(modules, owners, options, split_by)
 
     def step(state: Any, arrays: list[Any]) -> Any:
-        named = options.remat_policy if options.remat else None
-        if hasattr(named, "check"):
+        named: Any = options.remat_policy if options.remat else None
+        named = named if hasattr(named, "check") else None
+        if named is not None:
             named.reset()
         new_state, out = call(state, arrays, prepare=prepare)
-        if hasattr(named, "check"):
+        if named is not None:
             try:
                 named.check()
             except ValueError as err:
@@ -372,7 +373,9 @@ def _swap_modules(
         base = swaps.swapped_base(type(modules[path]))
         return bool(options.remat) and issubclass(base, options.remat)
 
-    plan_tags = getattr(options.remat_policy, "tags", ()) if options.remat else ()
+    plan_tags: tuple[tuple[type, str, str], ...] = (
+        getattr(options.remat_policy, "tags", ()) if options.remat else ()
+    )
 
     def tags_of(module: Any) -> tuple[str | None, str | None]:
         base = swaps.swapped_base(type(module))
