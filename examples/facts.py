@@ -76,6 +76,8 @@ def search_facts(args: argparse.Namespace, decoder: Any, sizes: dict[str, tuple[
             "block": cfg.block,
             "model_flops": decoder.model_flops(cfg, batch, seq),
             "flags": [*MEMORY_FLAGS, *DECODER_FLAGS],
+            # the per-tensor remat plans the search may try: the decoder names MaxText's tensors
+            "remat_policies": ["qkv_proj_offloaded", "minimal_offloaded", "layer_input_offloaded"],
         }
     dim, layers, heads, mlp, seq = sizes[args.model_size]
     seq = args.seq_len or seq

@@ -4,6 +4,7 @@ no-fit message and the winner's command reproduced by ``dtensor.aot``."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -21,7 +22,8 @@ from dtensor.tpu.scripts import load_script
 from dtensor.tpu.search import FitError, Rung
 from tests.once import once, shared_dir
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "examples" / "train.py")
 TINY = ["--model-size", "tiny", "--batch-size", "32", "--seq-len", "2048"]
 ALL_FLAGS = (
     "--strategy", "--data", "--tensor", "--stage", "--microbatches", "--schedule", "--context",
@@ -463,3 +465,41 @@ def test_the_guide_s_search_table_is_the_results_file():
         for plan in row["tried"]:  # figures, or the compiler's error for the plan
             figures = {"peak_bytes_per_device", "step_time_floor_seconds"}
             assert {"argv", "compiled"} <= set(plan) and (figures <= set(plan) or plan["error"])
+
+
+def test_the_model_prices_offloading_plans_as_the_compiler_reads_them():
+    """Llama 2 70B, v5p:4x4x4, 64 x 1024 tokens, fsdp=32 tensor=2, bf16 + remat + scan: an
+    offloading plan recomputes only the matmuls whose outputs it does not keep and moves the
+    rest over the host link; the compiles (benchmarks/results/fsdp_scale.json) read the same
+    ratios of compute to full remat's, and qkv_proj_offloaded's host bytes exactly."""
+    import json
+
+    from dtensor.tpu.estimate import OFFLOADED
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "fsdp_scale.json").read_text())["rows"]
+    compiled = {}
+    for r in rows:
+        if r["size"] == "llama2-70b" and r["topology"] == "v5p:4x4x4":
+            floor = r["step_floor"]
+            floor = floor if isinstance(floor, dict) else ast.literal_eval(floor)
+            compiled[r["option"]] = floor
+    base = "hybrid tensor=2 + bf16 + remat{} + scan"
+    facts = ModelFacts(params=68976648192, layers=80, heads=64, kv_heads=8, head_dim=128,
+                       hidden=8192, ffn=28672, vocab=32000, batch=64, seq=1024, tied=False,
+                       attention="xla", flags=ALL_FLAGS)  # fmt: skip
+    chip = CHIPS["TPU v5p"]
+
+    def est(remat):
+        return estimate(Plan(fsdp=32, tensor=2, remat=remat, scan=True), facts, chip)
+
+    full = est("full")
+    for remat in ("qkv_proj_offloaded", "minimal_offloaded"):
+        got = compiled[base.format(f" ({remat})")]
+        ratio = got["compute_seconds"] / compiled[base.format("")]["compute_seconds"]
+        assert est(remat).compute_seconds / full.compute_seconds == pytest.approx(ratio, rel=0.03)
+        assert est(remat).host_seconds == pytest.approx(got["host_link_seconds"], rel=0.12)
+    qkv = est("qkv_proj_offloaded")
+    tokens = 64 * 1024 / 32  # a chip's: the batch over fsdp
+    assert qkv.host_bytes == tokens * 80 * 2 * (64 + 2 * 8) * 128 / 2  # bf16, heads over tensor
+    assert set(OFFLOADED) >= {"qkv_proj_offloaded", "minimal_offloaded"}
+    assert est("minimal_offloaded").step_time_floor_seconds < full.step_time_floor_seconds

@@ -15,7 +15,8 @@ Memory (bytes):
 - **activations**: for each of the stage's layers, what the backward pass needs, by the remat
   rung (``full``: the block input, split along the sequence over ``tensor`` under
   ``HybridStrategy``'s sequence parallelism; ``dots_saveable``: every matmul output; ``none``:
-  everything, with XLA attention's ``[heads, seq, seq]`` scores) over the device's tokens
+  everything, with XLA attention's ``[heads, seq, seq]`` scores; an offloading plan,
+  :data:`OFFLOADED`: the block input, its named tensors in host memory) over the device's tokens
   (the batch over ``data x fsdp x expert``, the sequence over ``context``), plus one layer's
   working set (recomputed) or the logits (float32, and in the compute dtype; one slice of
   them with ``--loss-chunks``), whichever is larger.
@@ -25,7 +26,8 @@ Floor (seconds), as :mod:`dtensor.analysis.floor` reads a compiled program:
 - **compute**: the model FLOPs (the script's, else ``6 x params x tokens``) over the chips
   at the chip's bf16 peak, attention's share counted as its implementation's matmuls are
   (Splash's backward kernels, cuDNN's causal half), raised by the remat's recomputed forward
-  pass (a third of the layers' matmuls), by the logits recomputed when the loss is sliced by
+  pass (a third of the layers' matmuls; an offloading plan recomputes only the matmuls whose
+  outputs it does not keep), by the logits recomputed when the loss is sliced by
   vocabulary (``--loss-chunks`` without ``--loss-tiling tokens``) and by the pipeline's
   bubble iterations
   (``(R M + S - 1) / (R M)``);
@@ -37,7 +39,9 @@ Floor (seconds), as :mod:`dtensor.analysis.floor` reads a compiled program:
   reduce-scatters their gradients); ``expert`` sends each routed token four times (all-to-all;
   six with remat); ``stage`` passes each microbatch's activations on. An axis that spans
   slices puts its bytes on DCN (on NVIDIA GPUs: an axis that spans hosts, the share of its
-  bytes that must leave each host, over its GPUs' NICs).
+  bytes that must leave each host, over its GPUs' NICs);
+- **host link**: an offloading plan's tensors, each layer's sent to host memory and back,
+  over the chip's host link (:mod:`dtensor.analysis.floor`).
 
 It errs in both directions (XLA's scheduling, fusion and buffer reuse are not modelled): the
 search compiles its best candidates and reports how far each estimate was from the compile.
@@ -53,7 +57,7 @@ from dtensor.core.attention_xla import ulysses_repeats
 from dtensor.core.schedules import INTERLEAVED_SCHEDULES, make_schedule
 from dtensor.tpu.plans import AXES, ModelFacts, Plan, device_tokens, logits_bytes
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["OFFLOADED", "Estimate", "estimate"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +74,8 @@ class Estimate:
     axis_bytes: dict[str, float]
     networks: tuple[str, str] = ("ICI", "DCN")
     mfu_ceiling: float | None = None
+    host_bytes: float = 0.0
+    host_seconds: float = 0.0
 
     @property
     def peak_bytes_per_device(self) -> float:
@@ -78,14 +84,17 @@ class Estimate:
 
     @property
     def step_time_floor_seconds(self) -> float:
-        """The larger of compute and the two networks."""
-        return max(self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0)
+        """The larger of compute, the two networks and the host link."""
+        return max(
+            self.compute_seconds, self.ici_seconds, self.dcn_seconds or 0.0, self.host_seconds
+        )
 
     @property
     def bound(self) -> str:
-        """``"compute"`` or the network that sets the floor."""
+        """``"compute"``, the network or ``"host link"``: what sets the floor."""
         terms = {"compute": self.compute_seconds, self.networks[0]: self.ici_seconds}
         terms[self.networks[1]] = self.dcn_seconds or 0.0
+        terms["host link"] = self.host_seconds
         return max(terms, key=lambda k: terms[k])
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,6 +207,13 @@ def estimate(
         "full": cb * d / sp,
         "dots_saveable": cb * (d / sp + d + hq + 2 * hkv + 2 * f) + scores * cb,
     }.get(plan.remat, cb * (d / sp + d + hq + 2 * hkv + 2 * f))
+    # A per-tensor plan that offloads (strategies.reads.remat_plan): the named tensors of each
+    # layer go to host memory and back, the block input stays (unless it is the one offloaded).
+    offloaded = _offloaded(plan.remat, d / sp, hq, hkv, f, d / sp)
+    if offloaded is not None:
+        elements, kept_input = offloaded
+        saved = cb * d / sp * kept_input
+    host = tokens * (L / s) * cb * (offloaded[0] if offloaded else 0.0)
     activations = tokens * (L / s) * saved
     table = _interleaved(plan, L)
     if table is not None:  # what a stage keeps of the microbatches in flight: layer inputs
@@ -225,7 +241,14 @@ def estimate(
     att = min(12.0 * L * facts.heads * facts.head_dim * facts.seq * tokens_all, mf)
     head = min(6.0 * facts.vocab * d * tokens_all, mf - att)
     # the recomputed forward pass: a third of the layers' matmuls (XLA's attention's too)
-    again = 1 / 3 if plan.remat == "full" else 0.0
+    # A block's last matmul (the MLP's down projection) is not recomputed: the backward pass
+    # needs its input, not its output (llama2-70b fsdp=32 tensor=2 on v5p:4x4x4: compiled
+    # 1165 ms against 1249 estimated when every matmul was), nor, under an offloading plan,
+    # those whose outputs it keeps.
+    again = 1 / 3 * (1 - _kept_matmuls("full", d, hq, hkv, f)) if plan.remat == "full" else 0.0
+    if offloaded is not None:
+        again = 1 / 3 * (1 - _kept_matmuls(plan.remat, d, hq, hkv, f))
+    att_again = 1 / 3 if plan.remat == "full" or offloaded is not None else 0.0
     if table is not None:  # under remat the backward ticks recompute their layers; zero-
         # bubble's weight-gradient ticks run the layers' backward chain again besides
         again = (1 / 3 if plan.remat != "none" else 0.0) + (
@@ -234,7 +257,7 @@ def estimate(
     flops = (mf - att - head) * (1 + again) + head
     if plan.loss_chunks > 1 and plan.loss_tiling == "vocab":
         flops += head / 3  # the logits recomputed in the backward pass
-    flops += att * (_ATTENTION_FLOPS[kind] + (again if kind == "xla" else 0.0))
+    flops += att * (_ATTENTION_FLOPS[kind] + (att_again if kind == "xla" else 0.0))
     rounds = max(1, L // s) if plan.schedule == "circular" else 1
     if table is not None:
         flops /= 1 - table.bubble_fraction
@@ -242,13 +265,14 @@ def estimate(
         m = plan.microbatches * rounds
         flops *= (m + s - 1) / m
     compute = flops / n / chip.peak_flops
-    passes = 6 if plan.remat == "full" else 4  # forward, backward (and recomputed forward)
+    rematted = plan.remat == "full" or offloaded is not None  # weights read again, recomputing
+    passes = 6 if rematted else 4  # forward, backward (and recomputed forward)
     weights = (stack - experts) / (t * s) + experts / (plan.expert * t * s) + embed / t
     by_axis = {a: 0.0 for a in AXES}
     # XLA's plan (gather_at_read=False, the TPU and GPU default) gathers a weight about
     # three times a step, four with remat (Gemma 2B on v5e:4x4: 4.5); libtpu's
     # reduce-scatter is a ring of collective permutes that the HLO reader counts twice.
-    gathers = (4 if plan.remat == "full" else 3) if plan.reshard else 1
+    gathers = (4 if rematted else 3) if plan.reshard else 1
     fsdp_bytes = _ring("all-gather", weights * cb, g) * gathers
     fsdp_bytes += _ring("reduce-scatter", weights * 4, g) * (1 if gpu else 2)
     for axis in ("fsdp", "context", "expert"):  # one group: share it by the axes' sizes
@@ -264,7 +288,7 @@ def estimate(
         kv_bytes = _ring("all-to-all", exchanged, plan.context)
     else:
         kv_bytes = _ring("all-gather", gathered_kv, plan.context)
-    by_axis["context"] += kv_bytes * (3 if plan.remat == "full" else 2) * L / s
+    by_axis["context"] += kv_bytes * (3 if rematted else 2) * L / s
     if facts.experts:
         sent = tokens * facts.experts_per_token * d * cb
         by_axis["expert"] += _ring("all-to-all", sent, plan.expert) * passes * L / s
@@ -287,7 +311,8 @@ def estimate(
     dcn = None if chip.dcn_bytes_per_s is None else between / chip.dcn_bytes_per_s
     if dcn is None and between:
         within += between  # no published DCN figure: charge it to the network within
-    floor = max(compute, within / chip.ici_bytes_per_s, dcn or 0.0)
+    host_seconds = host / chip.host_bytes_per_s if host and chip.host_bytes_per_s else 0.0
+    floor = max(compute, within / chip.ici_bytes_per_s, dcn or 0.0, host_seconds)
     return Estimate(
         state_bytes=state,
         gathered_bytes=gathered,
@@ -299,7 +324,60 @@ def estimate(
         axis_bytes=by_axis,
         networks=chip.networks,
         mfu_ceiling=mf / (n * chip.peak_flops * floor) if floor > 0 else None,
+        host_bytes=host,
+        host_seconds=host_seconds,
     )
+
+
+#: The offloading remat plans the search prices (MaxText's names; the decoder's tensors):
+#: what each layer sends to host memory.
+OFFLOADED = {
+    "qkv_proj_offloaded": ("query_proj", "key_proj", "value_proj"),
+    "minimal_offloaded": (
+        "query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo",
+    ),
+    "layer_input_offloaded": ("decoder_layer_input",),
+}  # fmt: skip
+
+
+def _offloaded(
+    remat: str, block_input: float, hq: float, hkv: float, f: float, d: float
+) -> tuple[float, float] | None:
+    """``(elements a token sends to host a layer, 1 if the block input stays on device else
+    0)`` for an offloading plan; ``None`` for any other. ``d`` is the width of the attention's
+    and the MLP's outputs as kept (split along the sequence under sequence parallelism)."""
+    names = OFFLOADED.get(remat)
+    if names is None:
+        return None
+    size = {
+        "decoder_layer_input": block_input,
+        "query_proj": hq,
+        "key_proj": hkv,
+        "value_proj": hkv,
+        "out_proj": d,
+        "mlpwi_0": f,
+        "mlpwi_1": f,
+        "mlpwo": d,
+    }
+    return sum(size[n] for n in names), float("decoder_layer_input" not in names)
+
+
+def _kept_matmuls(remat: str, d: float, hq: float, hkv: float, f: float) -> float:
+    """The share of a layer's matmul FLOPs the backward pass does not recompute under
+    ``remat``: those whose outputs an offloading plan keeps (on host), and the MLP's down
+    projection, whose output the backward pass never needs."""
+    flops = {
+        "query_proj": d * hq,
+        "key_proj": d * hkv,
+        "value_proj": d * hkv,
+        "out_proj": hq * d,
+        "mlpwi_0": d * f,
+        "mlpwi_1": d * f,
+        "mlpwo": f * d,
+    }
+    total = sum(flops.values())
+    kept = {*OFFLOADED.get(remat, ()), "mlpwo"}
+    return sum(flops[n] for n in kept if n in flops) / total if total else 0.0
 
 
 def _interleaved(plan: Plan, layers: int) -> Any:

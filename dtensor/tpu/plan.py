@@ -52,7 +52,9 @@ class ModelFacts:
     scores of ``[batch, heads, seq, seq]``; a kernel's name, or ``"auto"``: none);
     ``precisions`` the ``--mixed-precision`` values the search tries (``"bf16-compute"``
     for a model whose modules pin their computation dtype, as Flax's own Gemma does: plain
-    ``"bf16"`` leaves its arithmetic in float32).
+    ``"bf16"`` leaves its arithmetic in float32); ``remat_policies`` the per-tensor remat
+    plans (:data:`dtensor.tpu.estimate.OFFLOADED`'s names) the model names its tensors for,
+    which the search tries beside ``full`` and ``dots_saveable``.
     """
 
     params: int
@@ -73,6 +75,7 @@ class ModelFacts:
     model_flops: float | None = None
     flags: tuple[str, ...] = ()
     precisions: tuple[str, ...] = ("none", "bf16")
+    remat_policies: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, facts: dict[str, Any]) -> ModelFacts:
@@ -80,6 +83,7 @@ class ModelFacts:
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in facts.items() if k in names}
         kept["flags"] = tuple(kept.get("flags", ()))
+        kept["remat_policies"] = tuple(kept.get("remat_policies", ()))
         if "precisions" in kept:
             kept["precisions"] = tuple(kept["precisions"])
         return cls(**kept)

@@ -165,7 +165,8 @@ def _rungs(plan: Plan, facts: ModelFacts) -> Iterator[Plan]:
     if facts.accepts("remat"):
         remats.append("full")
         if facts.accepts("remat_policy"):
-            remats.append("dots_saveable")
+            # JAX's dots_saveable, and the per-tensor plans the model names its tensors for
+            remats += ["dots_saveable", *facts.remat_policies]
     scan = facts.accepts("scan") and facts.layers >= 8
     # the slices cost a recompute of the head (Gemma 3 12B fully sharded on v5e:4x4: 954 ms
     # against 879 ms whole) and do not always lower the peak (Gemma 7B, fsdp=2 tensor=8: 10.7
