@@ -225,6 +225,7 @@ def explain(
         _network_bytes(collectives, "dcn", slices),
         mesh,
         host_bytes=max(moved.to_host_bytes, moved.from_host_bytes),
+        hlo_text=hlo_text,
     )
     minimum, references = minimum_for(
         jaxpr, args, kwargs, var_arg, all_leaves, infos, data, mesh, kept_axes

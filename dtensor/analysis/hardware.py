@@ -140,4 +140,5 @@ def chip_of(devices: Sequence[Any]) -> Chip | None:
         spec.nvlink_bytes_per_second,
         spec.network_bytes_per_second,
         networks=("NVLink", "IB"),
+        hbm_bytes_per_s=spec.hbm_bytes_per_second,
     )

@@ -356,6 +356,8 @@ def _render(report: Report) -> str:
     floor = report.step_floor
     if floor is not None:
         rows.append((f"step-time floor ({floor.bound}-bound)", f"{floor.seconds * 1e3:.1f} ms"))
+        if floor.hbm_seconds:
+            rows.append(("  HBM roofline (beside it)", f"{floor.hbm_seconds * 1e3:.1f} ms"))
         if floor.host_link_seconds:
             rows.append(("  host link (offloads)", f"{floor.host_link_seconds * 1e3:.1f} ms"))
         if report.mfu_ceiling is not None:
