@@ -167,6 +167,21 @@ EXTENDED = {
     "_single_process[one_device-per_process-2-2]": "variant",
     "tests/multiprocess/test_strategies_multiprocess.py::test_preset_across_processes_matches"
     "_single_process[central_storage-global-2-2]": "variant",
+    # per-tensor remat plans: one list and one scanned plan stay in make test
+    **{
+        "tests/strategies/test_remat_policy.py::test_every_plan_trains_the_decoder_as_on_one"
+        f"_device[{scan}-{policy}]": "variant"
+        for scan, policy in [
+            ("False", "qkv_proj_offloaded"),
+            ("False", "minimal_offloaded"),
+            ("False", "save_dot_except_mlp"),
+            ("True", "minimal_offloaded"),
+            ("True", "save_dot_except_mlp"),
+            ("True", "decoder_layer_input=offload,query_proj=device,mlpwo=remat"),
+        ]
+    },
+    "tests/strategies/test_remat_policy.py::test_the_tpu_program_offloads_exactly_the_tensors"
+    "_the_plan_names[False]": "variant",
     "tests/test_fit.py::test_fit_finds_the_cheapest_fitting_options_and_caches_them": "minutes",
     "tests/strategies/test_step_cache.py::test_300_runs_with_fresh_lambdas_keep_memory_bounded"
     "_and_warn_once": "repetitions",
