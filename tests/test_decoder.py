@@ -367,6 +367,8 @@ def test_published_parameter_counts_by_eval_shape():
         # Llama 3.1 405B (Llama Team 2024, Table 3: 126 layers, 16,384 wide, 128 heads, 8 KV
         # heads, FFN 53,248, vocabulary 128,000 + 256 special tokens; the Hugging Face count)
         "llama3.1-405b": 405_853_388_800,
+        # Llama 3.1 70B (the Hugging Face count): Llama 2 70B's layers, Llama 3's vocabulary
+        "llama3.1-70b": 70_553_706_496,
     }
     for name, want in published.items():
         cfg = CONFIGS[name].replace(scan=True)

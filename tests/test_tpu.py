@@ -26,7 +26,7 @@ from dtensor.analysis.memory import (
 from dtensor.tpu.topology import TopologyError
 from tests.models import abstract_block_step, deep_mlp_step
 
-TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1)]
+TOPOLOGIES = [("v5e:4x4", 1), ("v5e:4x4", 2), ("v4:2x2x2", 1), ("tpu7x:2x2x2", 1)]
 GIB = 1 << 30
 
 
@@ -203,8 +203,10 @@ def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
         assert state >= report.state_bytes_per_device > 0
         fit = report.memory_fit
         assert fit is not None and fit.fits and fit.chip == topology.split(":")[0], name
-        # One device a chip: v4 runs megacore, as on a Cloud TPU VM.
+        # One device a chip: v4 runs megacore, as on a Cloud TPU VM; tpu7x's two TensorCores
+        # are two devices, its memory checked per TensorCore.
         assert fit.devices_per_chip == 1
+        assert fit.unit == ("TensorCore" if topology.startswith("tpu7x") else "chip")
         assert report.ici_bytes_per_device is not None and report.dcn_bytes_per_device is not None
         assert report.ici_bytes_per_device + report.dcn_bytes_per_device == pytest.approx(
             report.comm_bytes_per_device

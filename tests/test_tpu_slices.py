@@ -266,3 +266,35 @@ def test_multislice_descriptions_lose_the_in_slice_torus():
     assert small.get("all-reduce", 0) == 0 and small["all-gather"] > 0, small
     tori = in_slice("v5p-128")
     assert tori.get("all-gather", 0) == 0 and tori["all-reduce"] > 0, tori
+
+
+def test_tpu7x_slices_are_v5p_grids_with_two_devices_a_chip():
+    """Ironwood (tpu7x): the accelerator types MaxText lists (the number counts TensorCores, 2
+    a chip), the same grids and tori as v5p, plus tpu7x-2 (one chip); each TensorCore is a
+    device, so libtpu's topology has twice as many devices as chips, two at each chip's
+    coordinates, four chips a host."""
+    from dtensor.analysis.hardware import chip_of
+
+    for cores, grid in _table(V5P):
+        if cores // 2 > 9216:
+            continue
+        s = describe_slice(f"tpu7x-{cores}")
+        assert "x".join(map(str, s.grid)) == grid and s.chips == cores // 2, cores
+        assert s.devices == cores and s.chip_config == "default"
+        assert s.wrap == describe_slice(f"v5p-{cores}").wrap
+        assert describe_slice(f"tpu7x:{grid}") == s
+    one = describe_slice("tpu7x-2")
+    assert (one.grid, one.devices, one.chips_per_host) == ((1, 1, 1), 2, (1, 1, 1))
+    assert accelerator_types("tpu7x")[:3] == ["tpu7x-2", "tpu7x-8", "tpu7x-16"]
+    assert describe_slice("ironwood:4x4x4") == describe_slice("tpu7x-128")
+    devices = dtensor.tpu_topology("tpu7x-128")
+    assert len(devices) == 128 and {d.device_kind for d in devices} == {"TPU7x"}
+    per_chip = {}
+    for d in devices:
+        per_chip.setdefault(tuple(d.coords), []).append(d.core_on_chip)
+    assert len(per_chip) == 64 and all(sorted(c) == [0, 1] for c in per_chip.values())
+    assert len({d.process_index for d in devices}) == 16  # 4 chips (8 devices) a host
+    chip = chip_of(devices)  # per device: half a chip
+    assert (chip.generation, chip.peak_flops, chip.usable_hbm_gib) == ("tpu7x", 2307e12 / 2, 94.75)
+    with pytest.raises(SliceError, match="tpu7x accelerator types: tpu7x-2, tpu7x-8"):
+        describe_slice("tpu7x-6")

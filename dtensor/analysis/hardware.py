@@ -20,6 +20,14 @@ generation, read 2026-12):
   2023): 275 TFLOP/s, 32 GiB HBM, six ICI links of 50 GB/s; no DCN figure per
   chip is published.
 
+- tpu7x, Ironwood (Google Cloud, "Ironwood: the first Google TPU for the age of
+  inference", 2025-04, and Cloud TPU's Ironwood page): 4614 TFLOP/s fp8 and 2307
+  bf16 per chip, 192 GB HBM at 7.37 TB/s, 1.2 TB/s bidirectional ICI per chip, 9216
+  chips a pod; no DCN figure per chip. Its two TensorCores are two JAX devices
+  (libtpu has no megacore for it), so its entry holds **per-device** figures, half a
+  chip's (the usable HBM is libtpu 0.0.42's "available HBM" per device), and memory
+  is reported per device.
+
 HBM bandwidth per chip (the same pages): v4 1200 GB/s, v5e 819, v5p 2765,
 v6e 1640. The link between a chip and its host (PCIe; Google publishes no
 per-chip figure): 32 GB/s each way, the upper end of the 16-32 GB/s a TPU's
@@ -89,6 +97,17 @@ _V5P = Chip(
 _V6E = Chip(
     "v6e", 918e12, 32, 31.25, 400 * GB, 100e9 / 8, hbm_bytes_per_s=1640 * GB, host_bytes_per_s=_HOST
 )
+# per device (one TensorCore, half a chip): see above
+_TPU7X = Chip(
+    "tpu7x",
+    2307e12 / 2,
+    96,
+    94.75,
+    300 * GB,
+    None,
+    hbm_bytes_per_s=7370 * GB / 2,
+    host_bytes_per_s=_HOST / 2,
+)
 
 #: ``device_kind`` -> :class:`Chip`. The usable HBM is the "available HBM" of the TPU
 #: compiler's out-of-memory error (libtpu 0.0.42; the rest is reserved), per chip: one
@@ -101,6 +120,7 @@ CHIPS: dict[str, Chip] = {
     "TPU v5p": _V5P,
     "TPU v6 lite": _V6E,
     "TPU v6e": _V6E,
+    "TPU7x": _TPU7X,
 }
 
 #: ``device_kind`` -> TPU generation name.

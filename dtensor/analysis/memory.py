@@ -50,6 +50,10 @@ CHIP_HBM_GIB: dict[str, float] = {c.generation: c.hbm_gib for c in CHIPS.values(
 # ``device_kind`` -> generation.
 _KINDS = GENERATIONS
 
+#: Generations whose :data:`dtensor.analysis.hardware.CHIPS` entry holds one device's
+#: figures (a TensorCore), not a chip's: memory is checked per device there.
+PER_DEVICE = {"tpu7x"}
+
 
 class WillNotFitError(ValueError):
     """The TPU compiler refused a program: it needs more HBM per chip than the chip has.
@@ -274,9 +278,12 @@ def memory_fit(
         return None
     chip = chip_generation(list(devices))
     gpu = gpu_spec(list(devices))
+    unit = "chip"
     if chip is not None:
         per_chip = _devices_per_chip(list(devices))
         hbm, usable = int(CHIP_HBM_GIB[chip] * GIB), int(USABLE_HBM_GIB[chip] * GIB)
+        if chip in PER_DEVICE:  # figures per TensorCore (Ironwood: 2 devices a chip)
+            per_chip, unit = 1, "TensorCore"
     elif gpu is not None:
         chip, per_chip = gpu.name, 1
         hbm, usable = gpu.hbm_bytes, int(gpu.hbm_bytes * memory_fraction())
@@ -290,7 +297,7 @@ def memory_fit(
         chip=chip,
         hbm_bytes_per_chip=hbm,
         usable_bytes_per_chip=usable,
-        unit="chip" if gpu is None else "GPU",
+        unit=unit if gpu is None else "GPU",
         devices_per_chip=per_chip,
         argument_bytes=get("argument_size_in_bytes"),
         output_bytes=get("output_size_in_bytes"),

@@ -18,6 +18,10 @@ machine a job will run on:
   be built as *twisted* tori (Cloud TPU's v4 documentation): name them with
   the ``_twisted`` suffix (``"v4:4x4x8_twisted"``); without it they are the
   ordinary torus, as Cloud TPU's accelerator types give them.
+- tpu7x (Ironwood): a 3-D grid as v5p's (``tpu7x-128`` = 4x4x4, a torus;
+  ``tpu7x-8`` = 2x2x1, one host of 4 chips), the number counting TensorCores,
+  2 a chip; each TensorCore is a JAX device (libtpu has no megacore for it),
+  so a slice has twice as many devices as chips.
 - v5e and v6e: a 2-D grid of chips, 2x2 a host; only a dimension of 16 chips
   (the full pod's side) wraps: v5e-256 / v6e-256 (16x16) on both, v5e-128 /
   v6e-128 (8x16) on the long one, smaller slices on none.
@@ -41,10 +45,16 @@ _GENERATIONS = {
     "v5e": "v5e",
     "v5litepod": "v5e",
     "v6e": "v6e",
+    "tpu7x": "tpu7x",
+    "v7x": "tpu7x",
+    "ironwood": "tpu7x",
 }
-_THREE_D = {"v4", "v5p"}
-# Accelerator-type numbers count TensorCores on v4/v5p (2 a chip), chips on v5e/v6e.
-_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_THREE_D = {"v4", "v5p", "tpu7x"}
+# Accelerator-type numbers count TensorCores on v4/v5p/tpu7x (2 a chip), chips on v5e/v6e.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1, "tpu7x": 2}
+# Devices a chip: v4/v5p run megacore (one device a chip); Ironwood's two TensorCores are two
+# devices (libtpu has no megacore configuration for it).
+DEVICES_PER_CHIP = {"v4": 1, "v5p": 1, "v5e": 1, "v6e": 1, "tpu7x": 2}
 # Chip grids of the 2-D generations and of the 3-D ones below a full torus (by chip count).
 _GRIDS_2D = {
     1: (1, 1),
@@ -57,9 +67,12 @@ _GRIDS_2D = {
     256: (16, 16),
 }
 _SMALL_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}
-_MAX_CHIPS = {"v4": 4096, "v5p": 8960, "v5e": 256, "v6e": 256}
+_MAX_CHIPS = {"v4": 4096, "v5p": 8960, "v5e": 256, "v6e": 256, "tpu7x": 9216}
 
-EXAMPLES = "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'v5p:4x4x4', 'v5e:4x4'"
+EXAMPLES = (
+    "'v5p-128', 'v5litepod-16', 'v6e-256', 'v4-128', 'tpu7x-128', 'v5p:4x4x4', 'v5e:4x4', "
+    "'tpu7x:4x4x4'"
+)
 
 
 class SliceError(ValueError):
@@ -71,12 +84,13 @@ class TpuSlice:
     """One Cloud TPU slice: its generation, chip grid and links.
 
     Attributes:
-        generation: ``"v4"``, ``"v5p"``, ``"v5e"`` or ``"v6e"``.
+        generation: ``"v4"``, ``"v5p"``, ``"v5e"``, ``"v6e"`` or ``"tpu7x"`` (Ironwood).
         grid: chips along each dimension (3 on v4/v5p, 2 on v5e/v6e).
         wrap: wraparound (torus) links along x, y, z.
         twisted: a twisted torus (only ``k x k x 2k`` / ``k x 2k x 2k``).
         chip_config: libtpu's chip configuration (``"megacore"``: one device
-            a chip on v4/v5p; ``"default"`` on v5e/v6e).
+            a chip on v4/v5p; ``"default"`` on v5e/v6e, and on tpu7x, whose two
+            TensorCores are two devices).
         chips_per_host: chips of one host along x, y, z.
     """
 
@@ -89,8 +103,13 @@ class TpuSlice:
 
     @property
     def chips(self) -> int:
-        """Chips in the slice (= devices: one device a chip)."""
+        """Chips in the slice."""
         return math.prod(self.grid)
+
+    @property
+    def devices(self) -> int:
+        """JAX devices in the slice: one a chip, two a tpu7x chip."""
+        return self.chips * DEVICES_PER_CHIP[self.generation]
 
     @property
     def grid_name(self) -> str:
@@ -125,6 +144,8 @@ def _grid_for_chips(generation: str, chips: int, name: str) -> tuple[int, ...]:
             return _GRIDS_2D[chips]
     elif chips in _SMALL_3D:
         return _SMALL_3D[chips]
+    elif chips == 1 and generation == "tpu7x":  # tpu7x-2: one chip (tpu7x-standard-1t)
+        return (1, 1, 1)
     elif chips % 64 == 0:
         # Full slices: every side a multiple of 4; the most cubic such grid (the
         # smallest longest side, then the smallest sum), sides ascending.
@@ -213,7 +234,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
         if generation is None:
             raise SliceError(
                 f"tpu_topology({name!r}): unknown TPU generation {gen_word!r}; Cloud TPU's are "
-                f"v4, v5p, v5e (v5litepod) and v6e. Examples: {EXAMPLES}."
+                f"v4, v5p, v5e (v5litepod), v6e and tpu7x (Ironwood). Examples: {EXAMPLES}."
             )
         rank = 3 if generation in _THREE_D else 2
         if len(grid) == 3 and rank == 2 and grid[2] == 1:
@@ -229,7 +250,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
         if generation is None:
             raise SliceError(
                 f"tpu_topology({name!r}): unknown accelerator type; Cloud TPU's are "
-                f"v4-N, v5p-N, v5litepod-N (or v5e-N) and v6e-N. Examples: {EXAMPLES}."
+                f"v4-N, v5p-N, v5litepod-N (or v5e-N), v6e-N and tpu7x-N. Examples: {EXAMPLES}."
             )
         cores = int(count)
         per_chip = _CORES_PER_CHIP[generation]
@@ -266,7 +287,7 @@ def describe_slice(name: str, *, wrap: object = None) -> TpuSlice:
         grid=grid,
         wrap=links,
         twisted=twisted,
-        chip_config="megacore" if generation in _THREE_D else "default",
+        chip_config="megacore" if generation in ("v4", "v5p") else "default",
         chips_per_host=(2, 2, 1) if math.prod(grid) >= 4 else (1, 1, 1),
     )
 
@@ -283,11 +304,12 @@ def accelerator_types(generation: str) -> list[str]:
     """
     generation = _GENERATIONS.get(generation, generation)
     if generation not in _CORES_PER_CHIP:
-        raise SliceError(f"accelerator_types({generation!r}): one of v4, v5p, v5e, v6e.")
+        raise SliceError(f"accelerator_types({generation!r}): one of v4, v5p, v5e, v6e, tpu7x.")
     prefix = "v5litepod" if generation == "v5e" else generation
     per_chip = _CORES_PER_CHIP[generation]
     if generation in _THREE_D:
         chips = sorted(_SMALL_3D) + list(range(64, _MAX_CHIPS[generation] + 1, 64))
+        chips = [1, *chips] if generation == "tpu7x" else chips
     else:
         chips = sorted(_GRIDS_2D)
     return [f"{prefix}-{c * per_chip}" for c in chips]

@@ -86,7 +86,7 @@ def _topology(piece: TpuSlice, num_slices: int) -> tuple[Any, ...]:
             raise TopologyError(
                 f"tpu_topology({name!r}, num_slices={num_slices}) is not a topology libtpu "
                 f"can describe ({detail}). Name Cloud TPU's accelerator type or a generation "
-                f"and its chip grid, e.g. {_EXAMPLES} (v4/v5p grids are 3-D, v5e/v6e 2-D)."
+                f"and its chip grid, e.g. {_EXAMPLES} (v4/v5p/tpu7x grids are 3-D, v5e/v6e 2-D)."
             ) from None
         raise RuntimeError(
             f"tpu_topology({name!r}) needs libtpu, which is not installed ({e}). Install the "
@@ -125,7 +125,8 @@ def tpu_topology(name: str, *, num_slices: int = 1, wrap: object = None) -> list
     The slice is described as a user rents it (:mod:`dtensor.tpu.slices`):
     wraparound (torus) links where Cloud TPU has them (v4/v5p slices whose
     every side is a multiple of 4, v5p-128 and up; the 16-chip sides of
-    v5e/v6e 8x16 and 16x16 slices), one device a chip (megacore) on v4/v5p,
+    v5e/v6e 8x16 and 16x16 slices), one device a chip (megacore) on v4/v5p
+    (two on tpu7x, whose TensorCores are separate devices),
     2x2x1 chips a host. The links change the program: without them libtpu
     turns a gather over a 64-chip axis into an all-reduce of a zero-padded
     buffer.
