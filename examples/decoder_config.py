@@ -110,7 +110,7 @@ ATTENTION = ("auto", "xla", "splash", "cudnn")
 
 
 #: Size presets: ``2b``, ``7b`` (Gemma), ``gemma3-12b``, ``llama2-7b``, ``llama2-70b``,
-#: ``llama3.1-8b``, ``llama3.1-405b`` are the public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of
+#: ``llama3.1-8b``, ``llama3.1-70b``, ``llama3.1-405b`` are the public shapes; ``tiny-gemma3`` and ``tiny-llama`` small ones of
 #: those blocks, for tests.
 CONFIGS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(

@@ -24,6 +24,7 @@ DECODER_SIZES = (
     "llama2-7b",
     "llama2-70b",
     "llama3.1-8b",
+    "llama3.1-70b",
     "llama3.1-405b",
     "tiny-moe",
     "mixtral-8x7b",
@@ -43,7 +44,8 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         choices=[*SIZES, *DECODER_SIZES],
         default="demo",
         help="demo/small/medium: the character-level model; tiny, 2b, 7b (Gemma), gemma3-12b, "
-        "llama2-7b, llama2-70b, llama3.1-8b, llama3.1-405b (and tiny-gemma3, tiny-llama): the decoder of examples/decoder.py, "
+        "llama2-7b, llama2-70b, llama3.1-8b, llama3.1-70b, llama3.1-405b (and tiny-gemma3, tiny-llama): "
+        "the decoder of examples/decoder.py, "
         "for python -m dtensor.aot (its aot_step; the large ones are only ever built abstractly)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")

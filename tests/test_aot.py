@@ -104,8 +104,8 @@ def test_errors(tmp_path, capsys):
 
     assert aot.main(["--topology", "v5e:4x4", "--", str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert aot.main(["--topology", "v7x:1x1", "--", DEMO]) == 2
-    assert "unknown TPU generation 'v7x'" in capsys.readouterr().err
+    assert aot.main(["--topology", "v8:1x1", "--", DEMO]) == 2
+    assert "unknown TPU generation 'v8'" in capsys.readouterr().err
     assert aot.main(["--topology", "v5e:4x4"]) == 2
     assert "give the training script" in capsys.readouterr().err
     # The script's own checks come back as a usage error too.

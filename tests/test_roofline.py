@@ -70,3 +70,25 @@ def test_explain_reports_the_roofline_beside_the_floor():
     assert floor.hbm_seconds == pytest.approx(floor.hbm_bytes / 2765e9)
     assert floor.seconds == floor.compute_seconds == 0.0  # not in the floor yet
     assert np.isfinite(floor.hbm_seconds)
+
+
+def test_floors_stay_below_the_steps_measured_on_tpus_and_the_guide_shows_them():
+    """benchmarks/results/measured_steps.json (compiled ahead of time beside steps measured on
+    real TPUs): every floor below its measured step, and the large-models guide's table is
+    ``benchmarks.measured_steps --markdown`` of it."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import measured_steps
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "results" / "measured_steps.json").read_text())["rows"]
+    assert rows and {r["size"] for r in rows} >= {"llama3.1-70b"}
+    for r in rows:
+        assert r["floor_ms"] / 1e3 < r["measured_s"], r
+        assert r["measured_over_floor"] == pytest.approx(
+            r["measured_s"] / (r["floor_ms"] / 1e3), rel=1e-3
+        )
+        assert r["hbm_roofline_ms"] / 1e3 < r["measured_s"], r
+    guide = (root / "docs" / "guides" / "large_models.md").read_text()
+    assert " ".join(measured_steps.markdown(rows).split()) in " ".join(guide.split())

@@ -148,6 +148,8 @@ def summary(result: AotResult, *, title: str = "") -> str:
     d0 = result.devices[0]
     gpu = d0.platform == "gpu"
     unit, compiler = ("GPU", "XLA:GPU") if gpu else ("chip", "the TPU compiler")
+    if r.memory_fit is not None and r.memory_fit.unit == "TensorCore":  # tpu7x: 2 devices a chip
+        unit = "TensorCore"
     if gpu:
         hosts = len({d.process_index for d in result.devices})
         slices = f" ({hosts} hosts of {len(result.devices) // hosts})"
@@ -195,10 +197,19 @@ def summary(result: AotResult, *, title: str = "") -> str:
         mfu = f"; MFU ceiling {r.mfu_ceiling:.1%}" if r.mfu_ceiling is not None else ""
         within, between = floor.networks
         dcn = f", {between} {floor.dcn_seconds * 1e3:.1f} ms" if floor.dcn_seconds else ""
+        host = (
+            f", host link {floor.host_link_seconds * 1e3:.1f} ms" if floor.host_link_seconds else ""
+        )
+        hbm = (
+            f"; HBM roofline beside it {floor.hbm_seconds * 1e3:.1f} ms"
+            if floor.hbm_seconds
+            else ""
+        )
         console.print(
             f"step-time floor {floor.seconds * 1e3:.1f} ms ({floor.bound}-bound: compute "
             f"{floor.compute_seconds * 1e3:.1f} ms for {floor.flops_per_device / 1e12:.2f} "
-            f"TFLOP per {unit} at peak, {within} {floor.ici_seconds * 1e3:.1f} ms{dcn}){mfu}",
+            f"TFLOP per {unit} at peak, {within} {floor.ici_seconds * 1e3:.1f} ms{dcn}{host})"
+            f"{mfu}{hbm}",
             highlight=False,
             markup=False,
             soft_wrap=True,
