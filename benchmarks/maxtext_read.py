@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtensor.analysis.host_link import host_transfers
+from dtensor.analysis.roofline import hbm_roofline
 
 from .maxtext_driver import Row, seq_of
 
@@ -77,6 +78,11 @@ def analyse(hlo_text: str, record: dict[str, Any], model_flops: float | None) ->
         chip,
         devices=devices,
         host_bytes_per_device=max(moved.to_host_bytes, moved.from_host_bytes),
+        roofline=(
+            hbm_roofline(hlo_text, chip.hbm_bytes_per_s, chip.peak_flops)
+            if chip.hbm_bytes_per_s
+            else None
+        ),
     )
     return {
         "peak_bytes_per_chip": peak_bytes(record["memory"]),

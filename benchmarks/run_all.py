@@ -1,6 +1,6 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
 coordinator, checkpoint_verify, safetensors_load, tpu_presets, gpu_presets, fsdp_scale,
-flax_gemma, experts, long_context and pipeline (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
+flax_gemma, experts, long_context, pipeline and measured_steps (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
 extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv), search
 (run by hand: ``python -m benchmarks.search --rows ...``).
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
             fsdp_scale,
             gpu_presets,
             long_context,
+            measured_steps,
             pipeline,
             safetensors_load,
             tpu_presets,
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         experts.main(out)
         long_context.main(out)
         pipeline.main(out)
+        measured_steps.main(out)
 
 
 if __name__ == "__main__":

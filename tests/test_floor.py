@@ -21,7 +21,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 def test_one_chip_table_feeds_the_memory_verdict():
     assert memory.USABLE_HBM_GIB is USABLE_HBM_GIB
-    assert memory.CHIP_HBM_GIB == {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+    # tpu7x: one TensorCore's (half a chip's 192 GB): its two TensorCores are two devices
+    assert memory.CHIP_HBM_GIB == {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "tpu7x": 96}
     chip = chip_of(dtensor.tpu_topology("v5p:2x2x2"))
     assert chip is CHIPS["TPU v5"] and chip.peak_flops == 459e12
     assert chip.ici_bytes_per_s == 600e9 and chip.dcn_bytes_per_s == 50e9 / 8

@@ -126,6 +126,7 @@ def test_memory_fit_verdict():
         "v5e": 16,
         "v5p": 95,
         "v6e": 32,
+        "tpu7x": 96,  # a TensorCore's: half an Ironwood chip
     }
 
 
@@ -148,6 +149,16 @@ def test_usable_hbm_is_what_the_tpu_compiler_allows():
         with pytest.raises(WillNotFitError) as err:
             dtensor.explain(lambda x: jnp.stack([jnp.sin(x * i) for i in range(150)]), x)
         assert err.value.available == pytest.approx(USABLE_HBM_GIB[chip] * GIB, rel=1e-3)
+    # tpu7x: one TensorCore's (libtpu's rematerialisation trips on the program above there)
+    device = dtensor.tpu_topology("tpu7x:2x2x1")[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    with pytest.raises(WillNotFitError) as err:
+        dtensor.explain(
+            jax.jit(lambda x: x + jnp.ones((200 * GIB // 4,), jnp.float32), out_shardings=one),
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=one),
+            variables={},
+        )
+    assert err.value.available == pytest.approx(USABLE_HBM_GIB["tpu7x"] * GIB, rel=1e-3)
     # 15.9 GiB fits a v5e chip's 16 GiB but not the 15.75 GiB a program may use.
     near = MemoryFit("v5e", 16 * GIB, 1, 10 * GIB, 0, 0, int(5.9 * GIB), 0, None, int(15.75 * GIB))
     assert not near.fits and "15.8 GiB usable by a program" in str(near)

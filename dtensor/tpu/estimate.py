@@ -245,13 +245,14 @@ def estimate(
     # needs its input, not its output (llama2-70b fsdp=32 tensor=2 on v5p:4x4x4: compiled
     # 1165 ms against 1249 estimated when every matmul was), nor, under an offloading plan,
     # those whose outputs it keeps.
-    again = 1 / 3 * (1 - _kept_matmuls("full", d, hq, hkv, f)) if plan.remat == "full" else 0.0
+    full_again = 1 / 3 * (1 - _kept_matmuls("full", d, hq, hkv, f))
+    again = full_again if plan.remat == "full" else 0.0
     if offloaded is not None:
         again = 1 / 3 * (1 - _kept_matmuls(plan.remat, d, hq, hkv, f))
     att_again = 1 / 3 if plan.remat == "full" or offloaded is not None else 0.0
     if table is not None:  # under remat the backward ticks recompute their layers; zero-
         # bubble's weight-gradient ticks run the layers' backward chain again besides
-        again = (1 / 3 if plan.remat != "none" else 0.0) + (
+        again = (full_again if plan.remat != "none" else 0.0) + (
             1 / 3 if table.name == "zero-bubble" else 0.0
         )
     flops = (mf - att - head) * (1 + again) + head
