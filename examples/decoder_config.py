@@ -170,19 +170,6 @@ CONFIGS: dict[str, DecoderConfig] = {
         rope_base=500_000.0,
         block="llama",
     ),
-    # Llama 3.1 70B (MaxText's llama3.1-70b; the Ironwood recipes' model): Llama 2 70B's
-    # layers with Llama 3's vocabulary and rotary base.
-    "llama3.1-70b": DecoderConfig(
-        vocab=128256,
-        d_model=8192,
-        layers=80,
-        heads=64,
-        kv_heads=8,
-        head_dim=128,
-        ffw=28672,
-        rope_base=500_000.0,
-        block="llama",
-    ),
     # Llama 3.1 405B (MaxText's llama3.1-405b; its rotary base 500,000, the long-context
     # rotary scaling left out: it changes no shape).
     "llama3.1-405b": DecoderConfig(
@@ -239,6 +226,9 @@ CONFIGS: dict[str, DecoderConfig] = {
         experts_per_token=2,
     ),
 }
+# Llama 3.1 70B (MaxText's llama3.1-70b; the Ironwood recipes' model): Llama 2 70B's layers
+# with Llama 3's vocabulary and rotary base.
+CONFIGS["llama3.1-70b"] = CONFIGS["llama2-70b"].replace(vocab=128256, rope_base=500_000.0)
 
 
 def param_count(cfg: DecoderConfig) -> int:
