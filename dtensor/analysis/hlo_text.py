@@ -7,6 +7,7 @@ three replica-group syntaxes and how ids map to mesh coordinates).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -22,7 +23,9 @@ __all__ = [
     "multipliers",
     "parse_instr",
     "parse_replica_groups",
+    "operands",
     "parse_shapes",
+    "program",
     "tuple_items",
 ]
 
@@ -396,3 +399,23 @@ def multipliers(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, i
         return memo[name]
 
     return {name: max(1, round(mult(name))) for name in comps}
+
+
+def operands(ins: Instr) -> list[str]:
+    """The names of ``ins``'s operands (those inside its leading parentheses)."""
+    depth, end = 0, len(ins.rest)
+    for i, ch in enumerate(ins.rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", ins.rest[:end])
+
+
+@functools.lru_cache(maxsize=4)
+def program(text: str) -> tuple[dict[str, list[Instr]], str | None, dict[str, int]]:
+    """``(computations, entry, executions of each computation)`` of HLO ``text``, parsed once
+    for the readers of one compiled program (host transfers, the roofline). Do not mutate."""
+    comps, entry = computations(text)
+    return comps, entry, multipliers(comps, entry)

@@ -17,16 +17,9 @@ Each transfer counts as often as its computation runs (loop trip counts, as
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
-from dtensor.analysis.hlo_text import (
-    Instr,
-    computations,
-    multipliers,
-    parse_shapes,
-    tuple_items,
-)
+from dtensor.analysis.collective import array_bytes
+from dtensor.analysis.hlo_text import Instr, operands, parse_shapes, program, tuple_items
 
 __all__ = ["HostTraffic", "Transfer", "host_transfers"]
 
@@ -48,7 +41,7 @@ class Transfer:
     @property
     def bytes(self) -> int:
         """Bytes of all ``count`` transfers."""
-        return _nbytes(self.dtype, self.shape) * self.count
+        return array_bytes(self.dtype, self.shape) * self.count
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,14 +76,13 @@ def host_transfers(text: str) -> HostTraffic:
         >>> t.to_host_bytes, t.from_host_bytes
         (32, 32)
     """
-    comps, entry = computations(text)
-    times = multipliers(comps, entry)
+    comps, _, times = program(text)
     out: list[Transfer] = []
     for name, instrs in comps.items():
         shapes = {ins.name: ins.shape for ins in instrs}
         for ins in instrs:
             if HOST not in ins.shape and not (
-                ins.opcode in _SYNC and any(HOST in shapes.get(o, "") for o in _operands(ins))
+                ins.opcode in _SYNC and any(HOST in shapes.get(o, "") for o in operands(ins))
             ):
                 continue
             found = _transfer(ins, shapes)
@@ -122,34 +114,13 @@ def _transfer(ins: Instr, shapes: dict[str, str]) -> tuple[str, str] | None:
         return None
     if ins.opcode not in _SYNC:
         return None
-    operands = [shapes.get(o, "") for o in _operands(ins)]
+    given = [shapes.get(o, "") for o in operands(ins)]
     into_host = HOST in ins.shape
-    from_host = bool(operands) and HOST in operands[0] and not into_host
-    if ins.opcode == "dynamic-update-slice" and into_host and len(operands) > 1:
-        return ("to host", operands[1]) if HOST not in operands[1] else None
-    if into_host and operands and HOST not in operands[0]:
+    from_host = bool(given) and HOST in given[0] and not into_host
+    if ins.opcode == "dynamic-update-slice" and into_host and len(given) > 1:
+        return ("to host", given[1]) if HOST not in given[1] else None
+    if into_host and given and HOST not in given[0]:
         return "to host", ins.shape
     if from_host:
         return "from host", ins.shape
     return None
-
-
-def _operands(ins: Instr) -> list[str]:
-    head = ins.rest[1 : _close(ins.rest)] if ins.rest.startswith("(") else ""
-    return re.findall(r"%([\w.\-]+)", head)
-
-
-def _close(rest: str) -> int:
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            return i
-    return len(rest)
-
-
-def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
-    """Bytes of an HLO array: its type's bits (``bf16``: 16, ``f8e4m3fn``: 8; ``pred``: a byte)."""
-    bits = 8 if dtype == "pred" else int((re.match(r"[a-z]+(\d+)", dtype) or [0, 32])[1])
-    return int(math.prod(dims) * bits) // 8

@@ -23,16 +23,13 @@ beside the kernels and are priced by the network and host-link terms.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 
-from dtensor.analysis.hlo_text import (
-    Instr,
-    computations,
-    multipliers,
-    parse_shapes,
-)
+from dtensor.analysis.collective import array_bytes
+from dtensor.analysis.hlo_text import Instr, operands, parse_shapes, program
 
 __all__ = ["Roofline", "hbm_roofline"]
 
@@ -77,8 +74,7 @@ def hbm_roofline(text: str, hbm_bytes_per_s: float, peak_flops: float) -> Roofli
         >>> r.bytes, r.seconds, r.kernels
         (8192, 1.0, 1)
     """
-    comps, entry = computations(text)
-    times = multipliers(comps, entry)
+    comps, _, times = program(text)
     inner = _inner_computations(comps)
     total = memory = 0.0
     nbytes = flops = 0
@@ -115,8 +111,8 @@ def _inner_computations(comps: dict[str, list[Instr]]) -> set[str]:
 
 def _kernel(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) -> tuple[int, int]:
     """``(bytes, flops)`` of one kernel, both counted low (see the module docs)."""
-    operands = _operands(ins)
-    sizes = [_nbytes(shapes.get(o, "")) for o in operands]
+    names = operands(ins)
+    sizes = [_nbytes(shapes.get(o, "")) for o in names]
     if ins.opcode == "fusion":
         m = re.search(r"calls=%?([\w.\-]+)", ins.rest)
         body = comps.get(m.group(1), []) if m else []
@@ -125,7 +121,7 @@ def _kernel(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) -
         return 2 * _nbytes(ins.shape), 0
     if ins.opcode == "dynamic-update-slice":
         return 2 * (sizes[1] if len(sizes) > 1 else 0), 0
-    flops = _dot_flops(ins, [shapes.get(o, "") for o in operands])
+    flops = _dot_flops(ins, [shapes.get(o, "") for o in names])
     return _nbytes(ins.shape) + sum(sizes), flops
 
 
@@ -136,7 +132,7 @@ def _fusion(
     root = body[-1] if body else None  # HLO text prints a computation's ROOT last
     out = _nbytes(ins.shape)
     if root is not None and root.opcode == "dynamic-update-slice":  # in place: the update
-        update = by_name.get(_operands(root)[1]) if len(_operands(root)) > 1 else None
+        update = by_name.get(operands(root)[1]) if len(operands(root)) > 1 else None
         out = _nbytes(update.shape) if update is not None else 0
     read = sum(_param_read(body, k, size, comps) for k, size in enumerate(sizes))
     return out + read, _body_flops(body, comps)
@@ -164,7 +160,7 @@ def _reads_of(
         return size
     total = 0
     for user in body:
-        ops = _operands(user)
+        ops = operands(user)
         if name not in ops:
             continue
         pos = ops.index(name)
@@ -193,7 +189,7 @@ def _body_flops(body: list[Instr], comps: dict[str, list[Instr]], depth: int = 0
             m = re.search(r"calls=%?([\w.\-]+)", i.rest)
             flops += _body_flops(comps.get(m.group(1), []) if m else [], comps, depth + 1)
         else:
-            flops += _dot_flops(i, [by_name[o].shape for o in _operands(i) if o in by_name])
+            flops += _dot_flops(i, [by_name[o].shape for o in operands(i) if o in by_name])
     return flops
 
 
@@ -218,23 +214,10 @@ def _dot_flops(ins: Instr, operand_shapes: list[str]) -> int:
     return 2 * out * size // (int(groups.group(1)) if groups else 1)
 
 
-def _operands(ins: Instr) -> list[str]:
-    depth, end = 0, len(ins.rest)
-    for i, ch in enumerate(ins.rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", ins.rest[:end])
-
-
 def _nbytes(shape: str) -> int:
-    """Bytes of every array in an HLO shape (tuples summed; ``pred``: a byte)."""
+    """Bytes of every array in an HLO shape (tuples summed; an unknown type counts 0: low)."""
     total = 0
     for dtype, dims in parse_shapes(shape):
-        if dtype == "token":
-            continue
-        bits = 8 if dtype == "pred" else int((re.match(r"[a-z]+(\d+)", dtype) or [0, 32])[1])
-        total += math.prod(dims) * bits // 8
+        with contextlib.suppress(ValueError):
+            total += array_bytes(dtype, dims)
     return total
