@@ -214,6 +214,21 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         help="also checkpoint every N steps (0: only on preemption)",
     )
     p.add_argument(
+        "--local-checkpoints",
+        metavar="DIR",
+        help="a local checkpoint tier on each host's fast storage (a RAM disk or local SSD): "
+        "each process keeps its own shards and a peer's there, and a restart resumes from the "
+        "newest step of either tier",
+    )
+    p.add_argument(
+        "--local-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save the local tier every N steps, whatever --save-every says (default: with the "
+        "persistent saves only)",
+    )
+    p.add_argument(
         "--fresh", action="store_true", help="ignore (delete) earlier checkpoints of this run"
     )
     p.add_argument("--sample-chars", type=int, default=240)
@@ -245,7 +260,12 @@ def parse_args(argv: list[str] | None = None, *, description: str = "") -> argpa
         "written beside an existing DIR and swapped in whole. The character-level demo model "
         "has no Hugging Face architecture, so without --init-from it is refused",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.local_every is not None and not args.local_checkpoints:
+        p.error("--local-every N needs --local-checkpoints DIR (each host's fast local storage)")
+    if args.local_every is not None and args.local_every < 1:
+        p.error(f"--local-every {args.local_every} is not valid; use a positive number of steps")
+    return args
 
 
 def build_strategy(

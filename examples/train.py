@@ -41,6 +41,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -451,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = run_dir / "checkpoints"
     if args.fresh and jax.process_index() == 0 and ckpt_dir.exists():
         ckpt_dir.rmtree()
+    if args.fresh and args.local_checkpoints:  # each host's own tier (its process folder)
+        shutil.rmtree(
+            os.path.join(args.local_checkpoints, f"process_{jax.process_index()}"),
+            ignore_errors=True,
+        )
     if args.fresh:
         dtensor.barrier("fresh")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -474,10 +480,17 @@ def main(argv: list[str] | None = None) -> int:
         termination_config=TerminationConfig(exit_fn=on_preempt),
         signals=(signal.SIGTERM, signal.SIGINT),
         data=batches,  # the pipeline's position is saved and restored with model and optimizer
+        local_directory=args.local_checkpoints,
+        local_interval_steps=args.local_every,
     )
     start = handler.total_run_calls
     if start:
-        console.print(f"resumed from the checkpoint at step {start}")
+        console.print(
+            f"resumed from the checkpoint at step {start} ({handler.restored_from_tier} tier); "
+            f"global batch {args.batch_size} over {jax.device_count()} devices "
+            f"({args.batch_size // max(1, jax.device_count())} a device) on "
+            f"{jax.process_count()} process(es)"
+        )
     if start >= args.steps:
         console.print(
             f"already trained {start} steps; pass --steps N (> {start}) to go on, or --fresh to start over."
@@ -553,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
             "local_devices": jax.local_device_count(),
             "steps": args.steps,
             "resumed_from": start,
+            "restored_from_tier": handler.restored_from_tier,
+            "global_batch": args.batch_size,
             "loss_first": losses[0][1] if losses else None,
             "loss_last": losses[-1][1] if losses else None,
             "seconds": round(time.perf_counter() - t0, 3),

@@ -106,10 +106,21 @@ class PreemptionCheckpointHandler:
             a Grain iterator, or ``iter()`` of a strategy's distributed
             dataset); its position is saved with every checkpoint and restored
             with it, so a resumed run reads exactly the batches it had not read.
+        local_directory: a local tier on each host's fast storage (see
+            :class:`dtensor.checkpoint.Checkpointer`): every save also writes
+            there, each process keeping its own shards and a peer's; a restart
+            resumes from the newest step of either tier (the local one, without
+            reading the persistent directory or bucket, when it is as new).
+        local_interval_steps: also save the local tier alone every this many
+            steps (``None``: only with the persistent saves).
 
     Attributes:
         total_run_calls: the number of steps run, counting those before the
             restored checkpoint.
+        restored_from_tier: where the restored step came from: ``"local"``
+            (every process's own shards), ``"peer"`` (a replaced process's
+            shards sent back by the peer that kept a copy), ``"persistent"``,
+            or ``None`` (a fresh start).
 
     Examples:
         >>> import tempfile, jax.numpy as jnp
@@ -141,6 +152,8 @@ class PreemptionCheckpointHandler:
         signals: Sequence[int] = (signal.SIGTERM,),
         async_save: bool = True,
         data: Any = None,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_interval_steps: int | None = None,
     ) -> None:
         if data is not None:
             check_iterator(data, "PreemptionCheckpointHandler")
@@ -156,19 +169,33 @@ class PreemptionCheckpointHandler:
                 f"the mapping's values, but the {type(checkpoint).__name__} given is read-only. Pass "
                 "a dict (or hold NNX modules/optimizers, which are restored in place)."
             )
-        if save_interval_steps is not None and save_interval_steps < 1:
+        for name, value in (
+            ("save_interval_steps", save_interval_steps),
+            ("local_interval_steps", local_interval_steps),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"{name}={value!r} is not valid; use a positive int, or None to save only at "
+                    "preemption."
+                )
+        if local_interval_steps is not None and local_directory is None:
             raise ValueError(
-                f"save_interval_steps={save_interval_steps!r} is not valid; use a positive int, or "
-                "None to save only at preemption."
+                f"local_interval_steps={local_interval_steps} needs local_directory= (each host's "
+                "fast local storage) to save to."
             )
         self.checkpoint = checkpoint
         self.strategy = strategy
         self.save_interval_steps = save_interval_steps
+        self.local_interval_steps = local_interval_steps
+        self.restored_from_tier: str | None = None
         self.termination_config = termination_config or TerminationConfig()
         self.total_run_calls = 0
         self.data = data
         self._checkpointer = Checkpointer(
-            checkpoint_dir, max_to_keep=max_to_keep, async_save=async_save
+            checkpoint_dir,
+            max_to_keep=max_to_keep,
+            async_save=async_save,
+            local_directory=local_directory,
         )
         self._last_saved: int | None = None
         self._notice_time: float | None = None
@@ -185,9 +212,10 @@ class PreemptionCheckpointHandler:
             )
         self._previous_handlers: dict[int, Any] = {}
         self._closed = False
-        if self._checkpointer.all_steps():
+        if self._checkpointer.has_steps():
             latest = self._restore_latest()
             self.total_run_calls = self._last_saved = latest
+            self.restored_from_tier = self._checkpointer.restored_tier
         if not self._sync_point and threading.current_thread() is threading.main_thread():
             for sig in signals:
                 self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
@@ -289,6 +317,8 @@ class PreemptionCheckpointHandler:
             self._preempt(step)
         elif self.save_interval_steps and step % self.save_interval_steps == 0:
             self.save(step)
+        elif self.local_interval_steps and step % self.local_interval_steps == 0:
+            self._checkpointer.save_local(step, dict(self.checkpoint), data=self.data)
         return result
 
     def _preempt(self, step: int) -> None:

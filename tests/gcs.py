@@ -31,6 +31,14 @@ class Emulator:
     url: str
     data_dir: Path
     pid: int
+    download_log: Path | None = None
+
+    def downloads(self, prefix: str = "") -> list[str]:
+        """The objects downloaded so far (one entry per read), those under ``prefix`` only."""
+        if self.download_log is None or not self.download_log.exists():
+            return []
+        names = self.download_log.read_text().splitlines()
+        return [n for n in names if n.startswith(prefix)]
 
     @property
     def env(self) -> dict[str, str]:
@@ -60,10 +68,12 @@ def emulator(data_dir: Path, *, timeout_s: float = 60.0) -> Iterator[Emulator]:
     tag = uuid.uuid4().hex[:8]
     port_file = data_dir.parent / f"emulator-{tag}.port"
     log_path = data_dir.parent / f"emulator-{tag}.log"
+    downloads = data_dir.parent / f"emulator-{tag}.downloads"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [*_command(), "-d", str(data_dir), "start", "--host", "127.0.0.1", "--port", "0"]
-        + ["--default-bucket", BUCKET, "--port-file", str(port_file)],
+        + ["--default-bucket", BUCKET, "--port-file", str(port_file)]
+        + ["--download-log", str(downloads)],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -83,7 +93,7 @@ def emulator(data_dir: Path, *, timeout_s: float = 60.0) -> Iterator[Emulator]:
                 )
             time.sleep(0.05)
         port = int(port_file.read_text())
-        yield Emulator(f"http://127.0.0.1:{port}", data_dir, proc.pid)
+        yield Emulator(f"http://127.0.0.1:{port}", data_dir, proc.pid, downloads)
     finally:
         stop(proc)
         log.close()

@@ -8,7 +8,8 @@
 2. The listen queue is deeper than ``http.server``'s default of 5, which
    TensorStore's parallel requests overflow.
 
-And ``--port-file PATH`` (with ``--port 0``): the server binds a port the
+And ``--download-log PATH``: each media download's object name is appended to PATH (a test
+counts the reads a restore made). And ``--port-file PATH`` (with ``--port 0``): the server binds a port the
 system picks and writes it to PATH once it listens, so a starter never picks a
 "free" port another process may take first, nor mistakes another emulator
 listening there for its own.
@@ -30,6 +31,9 @@ def download(request, response, storage, *args, **kwargs):
         obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
     except Exception:  # noqa: BLE001 - not found: the emulator's own handler answers 404
         obj = None
+    if obj is not None and _Server.download_log:
+        with open(_Server.download_log, "a") as f:
+            f.write(request.params["object_id"] + "\n")
     if obj is not None:
         response["x-goog-generation"] = str(obj["generation"])
         response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
@@ -44,6 +48,7 @@ class _Server(http.server.HTTPServer):
 
     request_queue_size = 1024
     port_file = ""
+    download_log = ""
 
     def server_activate(self) -> None:
         super().server_activate()  # listen(): connections are queued from here on
@@ -64,5 +69,9 @@ if __name__ == "__main__":
     if "--port-file" in args:  # ours: start on --port 0 and say which port the system gave
         i = args.index("--port-file")
         _Server.port_file = args[i + 1]
+        del args[i : i + 2]
+    if "--download-log" in args:  # ours: name each object downloaded, one per line
+        i = args.index("--download-log")
+        _Server.download_log = args[i + 1]
         del args[i : i + 2]
     main(args)

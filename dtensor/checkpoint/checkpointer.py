@@ -54,9 +54,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
-from dtensor.checkpoint import datastate, integrity, processes, storage
+from dtensor.checkpoint import datastate, exchange, integrity, local_tier, processes, storage
 from dtensor.checkpoint.canonical import canon, rebuild
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.checkpoint.handler import checksum_args
@@ -64,10 +65,23 @@ from dtensor.checkpoint.manifest import MANIFEST_FORMAT, prepare_save
 from dtensor.checkpoint.quiet import collect_abandoned_reads, quiet_orbax
 from dtensor.checkpoint.targets import finish_saved, is_policy, saved_abstract, target_abstract
 from dtensor.core.mesh import Mesh
+from dtensor.core.tree import path_str
 
 __all__ = ["Checkpointer", "CheckpointError"]
 
 _STATE, _MANIFEST = "state", "manifest"
+_NOTHING = object()
+_TARGET = "target: "
+
+
+def _all_positions(position: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    if processes.solo():
+        return [position]
+    return [json.loads(b) for b in exchange.allgather_bytes(json.dumps(position).encode())]
+
+
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -94,6 +108,13 @@ class Checkpointer:
         verify: check every restored array against the checksums recorded
             when it was written (the default; ``restore(..., verify=False)``
             skips it for one call).
+        local_directory: a second, *local* tier on each host's fast storage
+            (a RAM disk or local SSD; see :mod:`dtensor.checkpoint.local_tier`):
+            every :meth:`save` also writes there (and :meth:`save_local` only
+            there), each process its own shards and a peer's copy. A restore
+            takes the newest step of either tier, the local one when both
+            have it.
+        local_max_to_keep: how many local steps each process keeps.
 
     Examples:
         >>> import dtensor, jax.numpy as jnp, tempfile
@@ -118,6 +139,8 @@ class Checkpointer:
         async_save: bool = True,
         create: bool = True,
         verify: bool = True,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_max_to_keep: int = 2,
     ) -> None:
         ocp = _ocp()
         self.directory = storage.resolve(directory)
@@ -152,6 +175,12 @@ class Checkpointer:
         self.async_save = async_save
         self.verify = verify
         self.restored_step: int | None = None
+        self.restored_tier: str | None = None
+        self.local = (
+            None
+            if local_directory is None
+            else local_tier.LocalTier(local_directory, max_to_keep=local_max_to_keep)
+        )
         self._pending: int | None = None
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         solo = processes.orbax_options(ocp)  # handlers of a save by this process alone need it too
@@ -274,9 +303,55 @@ class Checkpointer:
         self._pending = step
         with storage.store_errors(self.directory):
             started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        if self.local is not None:
+            self._save_local(step, arrays, manifest, position)
         if not self.async_save:
             self.wait()
         return started
+
+    def save_local(self, step: int, tree: Any, *, data: Any = None) -> None:
+        """Save ``tree`` as ``step`` in the local tier only (every process calls this).
+
+        Each process writes its own shards and receives a peer's copy (see
+        :mod:`dtensor.checkpoint.local_tier`); the files are written in the
+        background, one step in flight.
+        """
+        if self.local is None:
+            raise CheckpointError(
+                f"{self!r} has no local tier; pass local_directory= (each host's fast local "
+                "storage) to save there, or call save() for the persistent tier."
+            )
+        position = None if data is None else datastate.capture(data)
+        arrays, manifest = prepare_save(canon(tree), int(step))
+        self._save_local(int(step), arrays, manifest, position)
+        if not self.async_save:
+            self.local.wait()
+
+    def _save_local(self, step: int, arrays: Any, manifest: dict, position: Any) -> None:
+        assert self.local is not None
+        leaves, _ = jax.tree_util.tree_flatten_with_path(arrays)
+        flat = {path_str(path): leaf for path, leaf in leaves}
+        head = {
+            "format": 1,
+            "process_count": processes.process_count(),
+            "manifest": manifest,
+            # every process's input position (small JSON): any survivor can give them all
+            "data": None if position is None else _all_positions(position),
+        }
+        self.local.save(step, flat, head, alone=processes.solo())
+
+    def local_steps(self) -> list[int]:
+        """The local tier's steps on this process, oldest first (``[]`` without one)."""
+        return [] if self.local is None else self.local.steps()
+
+    def has_steps(self) -> bool:
+        """Whether either tier holds a step anywhere in the job (every process calls this)."""
+        if self.all_steps():
+            return True
+        if self.local is None:
+            return False
+        mine = b"1" if self.local.steps() else b"0"
+        return b"1" in exchange.allgather_bytes(mine)
 
     def _record_files(self) -> None:
         """orbax's post-finalization hook (primary process): the file record, before the rename."""
@@ -288,9 +363,11 @@ class Checkpointer:
         integrity.write_files_record(newest)
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk (or in the bucket)."""
+        """Block until every started save is complete on disk (or in the bucket), both tiers."""
         with storage.store_errors(self.directory):
             self._manager.wait_until_finished()
+        if self.local is not None:
+            self.local.wait()
 
     # ------------------------------------------------------------ restore
     def _check_step(self, step: int | None) -> list[int]:
@@ -380,6 +457,14 @@ class Checkpointer:
                 step is damaged, or ``target`` does not match.
         """
         verify = self.verify if verify is None else verify
+        if (
+            self.local is not None
+            and step is None
+            and not (target is None or is_policy(target) or isinstance(target, Mesh))
+        ):
+            out = self._restore_local(target, data)
+            if out is not _NOTHING:
+                return out
         steps = self._check_step(step)
         skipped: list[DamagedCheckpointError] = []
         for s in steps:
@@ -393,12 +478,50 @@ class Checkpointer:
                 continue
             if data is not None:
                 self.restore_data(s, data)
-            self.restored_step = s
+            self.restored_step, self.restored_tier = s, "persistent"
             return out
         raise CheckpointError(
             f"every step in {str(self.directory)!r} is damaged ({sorted(steps)}); the newest: "
             f"{skipped[0]}"
         )
+
+    def _restore_local(self, target: Any, data: Any) -> Any:
+        """The newest local step when it is at least as new as the persistent tier's (collective)."""
+        assert self.local is not None
+        persistent = self.all_steps()
+        chosen = local_tier.plan(self.local, persistent[-1] if persistent else None)
+        if chosen is None:
+            return _NOTHING
+        where = f"the local tier in {self.local.root}"
+        records = None
+        if data is not None:  # collective: before the try, which only some processes may leave
+            records = local_tier.all_data_records(chosen)
+        try:
+            restored = local_tier.build(chosen, canon(target), where)
+            if records is not None and len(records) != chosen.saved_processes():
+                raise KeyError(f"the input positions of {len(records)} processes, not all")
+            failure = ""
+        except CheckpointError as e:  # the target does not match the step: the user's to fix
+            restored, failure = None, _TARGET + str(e)
+        except (KeyError, ValueError) as e:
+            restored, failure = None, str(e)
+        failures = exchange.allgather_bytes(failure.encode())
+        bad = [(p, f.decode()) for p, f in enumerate(failures) if f]
+        for _, text in bad:
+            if text.startswith(_TARGET):
+                raise CheckpointError(text[len(_TARGET) :])
+        if bad:
+            fallback = f"persistent step {persistent[-1]}" if persistent else "nothing"
+            warnings.warn(
+                f"local checkpoint step {chosen.step} cannot be restored (process {bad[0][0]}: "
+                f"{bad[0][1]}); restoring {fallback} from {str(self.directory)!r} instead",
+                stacklevel=3,
+            )
+            return _NOTHING
+        if records is not None:
+            datastate.apply(data, records, chosen.step, where)
+        self.restored_step, self.restored_tier = chosen.step, chosen.tier
+        return rebuild(target, restored)
 
     def restore_data(self, step: int, data: Any) -> None:
         """Move the input iterator ``data`` to the position saved with ``step``."""
@@ -473,8 +596,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Wait for pending saves and release the manager."""
+        """Wait for pending saves (both tiers) and release the manager."""
         self._manager.close()
+        if self.local is not None:
+            self.local.wait()
 
     def __enter__(self) -> Checkpointer:
         return self

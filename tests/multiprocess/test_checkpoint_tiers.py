@@ -1,0 +1,99 @@
+"""The local tier across real processes: a replaced host, a lost slice, and what the bucket serves.
+
+tests/multiprocess/workers/tiers.py trains an NNX MLP under
+``HybridStrategy(data=processes // 2, fsdp=2)`` with a Grain pipeline, the
+local tier saved every step and the persistent tier every 4 steps. A process
+SIGKILLs itself at the start of step 6 (a host lost mid-step); the job stops.
+
+* A replacement host (its local folder gone) on as many processes: the job
+  resumes at step 5 from the ``peer`` tier (the replaced process's shards sent
+  back by the process that kept its copy), with the global batches and the
+  final parameters of an uninterrupted run, bit for bit, and without reading
+  the persistent tier's step (a bucket of the GCS emulator, its downloads
+  counted: only orbax's listing of the steps reads their small metadata files).
+* A whole "slice" lost for good (processes 2 and 3 of 4): the job goes on with
+  2 processes from the ``local`` tier with the same global batch of 8, each
+  step reading the same examples as the uninterrupted run (in another row
+  order: the input pipelines interleave) and parameters equal to float32
+  rounding (the batch mean is summed in another order).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.multiprocess.util import expect_ok, report, run_worker
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+TOTAL, KILL = 6, 6
+
+
+def _run(processes: int, ckpt, local, *kill: str, ok: bool = True) -> dict | None:
+    r = run_worker(
+        "tiers",
+        processes,
+        str(ckpt),
+        str(local),
+        str(TOTAL),
+        *kill,
+        devices_per_process=1,
+        timeout_s=120,
+    )
+    if not ok:
+        assert r.returncode != 0, report(r)
+        killed = [int(k) for k in kill[1].split(",")]
+        assert all(r.returncodes[k] == -9 or r.returncodes[k] == 137 for k in killed), report(r)
+        return None
+    return expect_ok(r, processes)[0]
+
+
+def _floats(hexes: dict) -> dict:
+    return {k: np.frombuffer(bytes.fromhex(v), np.float32) for k, v in hexes.items()}
+
+
+def test_a_replaced_process_resumes_from_its_peer_s_copy_bitwise(tmp_path):
+    straight = _run(2, tmp_path / "a", tmp_path / "al")
+    _run(2, tmp_path / "b", tmp_path / "bl", str(KILL), "1", ok=False)
+    shutil.rmtree(tmp_path / "bl" / "process_1")  # the replacement host's disk is empty
+    resumed = _run(2, tmp_path / "b", tmp_path / "bl")
+    assert (resumed["start"], resumed["tier"]) == (KILL - 1, "peer")
+    assert resumed["seen"] == straight["seen"][KILL - 1 :]
+    assert resumed["params"] == straight["params"]
+
+
+@pytest.mark.extended
+def test_four_processes_resume_from_the_peer_tier_without_reading_the_bucket(
+    tmp_path, gcs, gcs_emulator
+):
+    straight = _run(4, tmp_path / "a", tmp_path / "al")
+    _run(4, gcs, tmp_path / "bl", str(KILL), "1", ok=False)
+    shutil.rmtree(tmp_path / "bl" / "process_1")
+    prefix = gcs[len("gs://") :].split("/", 1)[1]
+    before = len(gcs_emulator.downloads(prefix))
+    resumed = _run(4, gcs, tmp_path / "bl")
+    assert (resumed["start"], resumed["tier"]) == (KILL - 1, "peer")
+    # Listing the bucket's steps reads orbax's small per-step _CHECKPOINT_METADATA; nothing
+    # of a step's arrays, manifest or data positions is read.
+    read = {name.split("/", 1)[1] for name in gcs_emulator.downloads(prefix)[before:]}
+    assert read <= {"4/_CHECKPOINT_METADATA"}, read
+    assert resumed["seen"] == straight["seen"][KILL - 1 :]
+    assert resumed["params"] == straight["params"]
+
+
+@pytest.mark.extended
+def test_a_lost_slice_goes_on_with_fewer_processes_and_the_same_global_batch(tmp_path):
+    straight = _run(4, tmp_path / "a", tmp_path / "al")
+    _run(4, tmp_path / "b", tmp_path / "bl", str(KILL), "2,3", ok=False)
+    for gone in ("process_2", "process_3"):
+        shutil.rmtree(tmp_path / "bl" / gone)  # their hosts are gone for good
+    resumed = _run(2, tmp_path / "b", tmp_path / "bl")
+    assert (resumed["start"], resumed["tier"], resumed["processes"]) == (KILL - 1, "local", 2)
+    for (step, ids), (s0, ids0) in zip(resumed["seen"], straight["seen"][KILL - 1 :], strict=True):
+        assert step == s0 and sorted(ids) == sorted(ids0) and len(ids) == 8
+    got, want = _floats(resumed["params"]), _floats(straight["params"])
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
