@@ -102,18 +102,17 @@ def test_a_process_killed_while_writing_a_local_step_leaves_the_last_good_one(tm
     with Checkpointer(tmp_path / "p", local_directory=tmp_path / "l") as ck:
         ck.save_local(1, _tree(mesh, 1.0))
         ck.wait()
-    # A child process that dies (SIGKILL) inside the write of step 2, after its first file.
+    # A child process that dies (SIGKILL) inside the write of step 2, its files written but
+    # the folder not yet renamed.
     code = textwrap.dedent(
         f"""
         import os, signal, jax
         jax.config.update("jax_num_cpu_devices", 8)
         import dtensor, jax.numpy as jnp
         from dtensor.checkpoint import Checkpointer, local_tier
-        real = local_tier.os.fsync
-        def fsync_then_die(fd):
-            real(fd)
+        def die(*args):
             os.kill(os.getpid(), signal.SIGKILL)
-        local_tier.os.fsync = fsync_then_die
+        local_tier.os.replace = die
         mesh = dtensor.create_mesh([("x", 8)])
         w = dtensor.copy_to_mesh(jnp.zeros((8, 4)), dtensor.Layout(["x", None], mesh))
         ck = Checkpointer({str(tmp_path / "p")!r}, local_directory={str(tmp_path / "l")!r})

@@ -57,7 +57,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtensor.checkpoint import datastate, exchange, integrity, local_tier, processes, storage
+from dtensor.checkpoint import (
+    datastate,
+    exchange,
+    integrity,
+    local_restore,
+    local_tier,
+    processes,
+    storage,
+)
 from dtensor.checkpoint.canonical import canon, rebuild
 from dtensor.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from dtensor.checkpoint.handler import checksum_args
@@ -486,25 +494,39 @@ class Checkpointer:
         )
 
     def _restore_local(self, target: Any, data: Any) -> Any:
-        """The newest local step when it is at least as new as the persistent tier's (collective)."""
+        """The newest local step when it is at least as new as the persistent tier's (collective).
+
+        See :mod:`dtensor.checkpoint.local_restore`. Every process takes the
+        same path through the collectives below, failures included.
+        """
         assert self.local is not None
         persistent = self.all_steps()
-        chosen = local_tier.plan(self.local, persistent[-1] if persistent else None)
+        chosen = local_restore.plan(self.local, persistent[-1] if persistent else None)
         if chosen is None:
             return _NOTHING
         where = f"the local tier in {self.local.root}"
-        records = None
-        if data is not None:  # collective: before the try, which only some processes may leave
-            records = local_tier.all_data_records(chosen)
+        by_path = {e["path"]: e for e in chosen.manifest["leaves"]}
+        failure, abstract, want = "", None, []
         try:
-            restored = local_tier.build(chosen, canon(target), where)
-            if records is not None and len(records) != chosen.saved_processes():
-                raise KeyError(f"the input positions of {len(records)} processes, not all")
-            failure = ""
+            abstract = target_abstract(canon(target), by_path, f"step {chosen.step} in {where}")
+            want = local_restore.needed(abstract)
         except CheckpointError as e:  # the target does not match the step: the user's to fix
-            restored, failure = None, _TARGET + str(e)
-        except (KeyError, ValueError) as e:
-            restored, failure = None, str(e)
+            failure = _TARGET + str(e)
+        lost = local_restore.fetch(chosen, want)
+        records = None if data is None else local_restore.all_data_records(chosen)
+        restored = None
+        if not failure:
+            try:
+                if lost:
+                    raise KeyError(
+                        f"{len(lost)} block(s) are held by no process, the first {lost[0][0]!r} "
+                        f"{[list(b) for b in lost[0][1]]}"
+                    )
+                if records is not None and len(records) != chosen.saved_processes():
+                    raise KeyError(f"the input positions of {len(records)} processes, not all")
+                restored = local_restore.build(chosen, abstract)
+            except (KeyError, ValueError) as e:
+                failure = str(e)
         failures = exchange.allgather_bytes(failure.encode())
         bad = [(p, f.decode()) for p, f in enumerate(failures) if f]
         for _, text in bad:

@@ -17,7 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["allgather_bytes", "peer_shift", "send_bytes"]
+__all__ = ["CHUNK_BYTES", "allgather_bytes", "peer_shift", "send_bytes"]
+
+CHUNK_BYTES = 128 << 20
+"""Bytes a process sends per collective: the copy's device memory stays this small (two
+buffers of it), whatever the size of the process's shards."""
 
 
 def _one_device_per_process() -> list[Any]:
@@ -34,21 +38,24 @@ def _lengths(n: int) -> list[int]:
     return [int(v) for v in np.asarray(got).reshape(-1)]
 
 
-def _as_words(payload: bytes, words: int) -> np.ndarray:
+def _as_words(payload: Any, words: int) -> np.ndarray:
+    if len(payload) == words * 4:  # no padding needed: a view, not a copy
+        return np.frombuffer(payload, np.uint32).reshape(1, words)
     buf = np.zeros(words * 4, np.uint8)
     buf[: len(payload)] = np.frombuffer(payload, np.uint8)
     return buf.view(np.uint32).reshape(1, words)
 
 
-def send_bytes(payload: bytes, pairs: Sequence[tuple[int, int]]) -> bytes | None:
+def send_bytes(payload: Any, pairs: Sequence[tuple[int, int]]) -> Any:
     """Every process calls this; ``(source, destination)`` pairs say who sends its ``payload`` to whom.
 
-    Returns the bytes this process received (``None`` when no pair names it as
-    the destination). Each process is the destination of at most one pair.
+    ``payload`` is any bytes-like object. Returns the bytes this process
+    received, as a ``memoryview`` (``None`` when no pair names it as the
+    destination). Each process is the destination of at most one pair.
 
     Examples:
         >>> from dtensor.checkpoint.exchange import send_bytes
-        >>> send_bytes(b"abc", [(0, 0)])  # one process: to itself
+        >>> bytes(send_bytes(b"abc", [(0, 0)]))  # one process: to itself
         b'abc'
     """
     count, me = jax.process_count(), jax.process_index()
@@ -60,20 +67,27 @@ def send_bytes(payload: bytes, pairs: Sequence[tuple[int, int]]) -> bytes | None
     lengths = _lengths(len(payload))
     source = {d: s for s, d in pairs}
     if count == 1:
-        return payload if 0 in source else None
-    words = max(1, -(-max(lengths) // 4))
+        return memoryview(payload) if 0 in source else None
+    total = max(lengths)
+    chunk = min(CHUNK_BYTES, -(-max(1, total) // 4) * 4)  # one compiled shape for every piece
     devices = _one_device_per_process()
     mesh = jax.sharding.Mesh(np.array(devices), ("process",))
     spec = jax.sharding.PartitionSpec("process")
     sharding = jax.sharding.NamedSharding(mesh, spec)
-    row = jax.device_put(_as_words(payload, words), devices[me])
-    rows = jax.make_array_from_single_device_arrays((count, words), sharding, [row])
-    with jax.set_mesh(mesh):  # not the caller's mesh (a restore runs under the strategy's)
-        moved = _ppermute(mesh, spec, tuple(pairs))(rows)
-    if me not in source:
+    move = _ppermute(mesh, spec, tuple(pairs))
+    out = np.empty(-(-max(1, total) // chunk) * chunk, np.uint8) if me in source else None
+    view = memoryview(payload)
+    for at in range(0, max(1, total), chunk):
+        row = jax.device_put(_as_words(view[at : at + chunk], chunk // 4), devices[me])
+        rows = jax.make_array_from_single_device_arrays((count, chunk // 4), sharding, [row])
+        with jax.set_mesh(mesh):  # not the caller's mesh (a restore runs under the strategy's)
+            moved = move(rows)
+        if out is not None:
+            got = np.asarray(moved.addressable_shards[0].data).reshape(-1).view(np.uint8)
+            out[at : at + chunk] = got
+    if out is None:
         return None
-    got = np.asarray(moved.addressable_shards[0].data).reshape(-1).view(np.uint8)
-    return got[: lengths[source[me]]].tobytes()
+    return memoryview(out.data)[: lengths[source[me]]]
 
 
 def _ppermute(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -40,7 +41,7 @@ import numpy as np
 
 from dtensor.checkpoint import exchange
 
-__all__ = ["LocalTier", "Plan"]
+__all__ = ["Box", "Held", "LocalTier", "box_of", "pack"]
 
 _log = logging.getLogger(__name__)
 _STEP, _TMP = "step_", ".tmp"
@@ -48,7 +49,7 @@ Box = tuple[tuple[int, int], ...]
 
 
 # ------------------------------------------------------------------ payloads
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+def box_of(index: Any, shape: tuple[int, ...]) -> Box:
     return tuple(
         (0 if s.start is None else int(s.start), n if s.stop is None else int(s.stop))
         for s, n in zip(index, shape, strict=True)
@@ -60,7 +61,7 @@ def _shards(leaf: Any) -> list[tuple[Box, np.ndarray]]:
     if isinstance(leaf, jax.Array):
         seen: dict[Box, np.ndarray] = {}
         for s in leaf.addressable_shards:
-            box = _box(s.index, leaf.shape)
+            box = box_of(s.index, leaf.shape)
             if box not in seen:
                 seen[box] = np.asarray(s.data)
         return list(seen.items())
@@ -68,35 +69,46 @@ def _shards(leaf: Any) -> list[tuple[Box, np.ndarray]]:
     return [(tuple((0, n) for n in a.shape), a)]
 
 
-def pack(arrays: dict[str, Any], head: dict[str, Any]) -> bytes:
-    """``head`` (JSON) and every leaf's blocks as one byte string, each block checksummed."""
-    blobs, index, offset = [], [], 0
+def pack(arrays: dict[str, Any], head: dict[str, Any]) -> bytearray:
+    """``head`` (JSON) and every leaf's blocks as one byte string, each block checksummed.
+
+    The blocks are copied once, straight into the result (they are the size of
+    the process's share of the model).
+    """
+    blocks, index, offset = [], [], 0
     for path, leaf in arrays.items():
         for box, a in _shards(leaf):
-            raw = np.ascontiguousarray(a).tobytes()
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             index.append(
                 {
                     "path": path,
                     "box": [list(b) for b in box],
                     "dtype": str(a.dtype),
                     "offset": offset,
-                    "nbytes": len(raw),
-                    "crc32": zlib.crc32(raw),
+                    "nbytes": flat.size,
+                    "crc32": zlib.crc32(flat.data),
                 }
             )
-            blobs.append(raw)
-            offset += len(raw)
+            blocks.append(flat)
+            offset += flat.size
     text = json.dumps({**head, "blocks": index}).encode()
-    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+    out = bytearray(8 + len(text) + offset)
+    out[:8] = len(text).to_bytes(8, "little")
+    out[8 : 8 + len(text)] = text
+    view, at = memoryview(out), 8 + len(text)
+    for flat in blocks:
+        view[at : at + flat.size] = flat
+        at += flat.size
+    return out
 
 
 class Held:
     """One process's unpacked payload: its head and its blocks by ``(path, box)``."""
 
-    def __init__(self, payload: bytes, where: str) -> None:
-        n = int.from_bytes(payload[:8], "little")
+    def __init__(self, payload: Any, where: str) -> None:
+        n = int.from_bytes(bytes(payload[:8]), "little")
         self.raw = payload
-        self.head = json.loads(payload[8 : 8 + n])
+        self.head = json.loads(bytes(payload[8 : 8 + n]))
         self._body = memoryview(payload)[8 + n :]
         self.where = where
         self.blocks = {
@@ -159,37 +171,41 @@ class LocalTier:
         """
         self.wait()
         own = pack(arrays, {**head, "step": step, "process_index": jax.process_index()})
+        final = self._step_dir(step)
+        tmp = final.with_name(f"{final.name}{_TMP}{os.getpid()}")
+        tmp.mkdir(parents=True)
+        # Its own shards are written while the peer copy crosses the network.
+        first = self._start(lambda: _write_file(tmp / "own.bin", own), f"own-{step}")
         count, shift = jax.process_count(), 0 if alone else exchange.peer_shift()
         peer = None
         if shift:
             pairs = [(p, (p + shift) % count) for p in range(count)]
             peer = exchange.send_bytes(own, pairs)
 
-        def write() -> None:
+        def finish() -> None:
+            first.join()
+            if self._error is not None:
+                return
+            if peer is not None:
+                _write_file(tmp / "peer.bin", peer)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the step exists from here on, whole
+            for old in self.steps()[: -self.max_to_keep]:
+                shutil.rmtree(self._step_dir(old), ignore_errors=True)
+
+        self._writer = self._start(finish, f"commit-{step}")
+
+    def _start(self, fn: Any, name: str) -> threading.Thread:
+        def run() -> None:
             try:
-                self._write(step, own, peer)
+                fn()
             except BaseException as e:  # noqa: BLE001 - reported by the next wait()
                 self._error = e
 
-        self._writer = threading.Thread(target=write, name=f"dtensor-local-save-{step}")
-        self._writer.start()
-
-    def _write(self, step: int, own: bytes, peer: bytes | None) -> None:
-        final = self._step_dir(step)
-        tmp = final.with_name(f"{final.name}{_TMP}{os.getpid()}")
-        tmp.mkdir(parents=True)
-        for name, blob in (("own.bin", own), ("peer.bin", peer)):
-            if blob is None:
-                continue
-            with open(tmp / name, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in self.steps()[: -self.max_to_keep]:
-            shutil.rmtree(self._step_dir(old), ignore_errors=True)
+        thread = threading.Thread(target=run, name=f"dtensor-local-{name}")
+        thread.start()
+        return thread
 
     def wait(self) -> None:
         """Block until the step being written is on disk; raise what its write raised."""
@@ -207,130 +223,15 @@ class LocalTier:
         if not path.is_file():
             return None
         try:
-            return Held(path.read_bytes(), str(path))
+            with open(path, "rb") as f:  # mapped: only the blocks a restore needs are read
+                return Held(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), str(path))
         except (ValueError, json.JSONDecodeError, UnicodeDecodeError):
             _log.warning("local checkpoint %s cannot be read; skipping it", path)
             return None
 
 
-class Plan:
-    """Where a local restore of one step gets each process's blocks (agreed by every process)."""
-
-    def __init__(self, step: int, tier: str, held: list[Held]) -> None:
-        self.step, self.tier, self.held = step, tier, held
-
-    def head(self) -> dict[str, Any] | None:
-        return self.held[0].head if self.held else None
-
-    def data_records(self) -> list[dict[str, Any]]:
-        """The input positions this process holds (its own, its peer's), by the saver's index."""
-        return [r for h in self.held for r in h.head.get("data") or []]
-
-    def saved_processes(self) -> int:
-        head = self.head()
-        return -1 if head is None else int(head["process_count"])
-
-    def find(self, path: str, box: Box) -> np.ndarray | None:
-        for h in self.held:
-            if (path, box) in h.blocks:
-                return h.read(path, box)
-        return None
-
-
-def plan(tier: LocalTier, at_least: int | None) -> Plan | None:
-    """The newest local step ``>= at_least`` held somewhere, with what this process holds of it.
-
-    Collective. A replaced process (its folder lacks the step while the job has
-    as many processes as saved it) gets its own blocks back from the peer that
-    keeps them. Whether every process's devices find their blocks is for the
-    caller to check (it knows the target's layouts); ``None``: no such step.
-    """
-    me, count = jax.process_index(), jax.process_count()
-    mine = [s for s in tier.steps() if at_least is None or s >= at_least]
-    listed = [json.loads(b) for b in exchange.allgather_bytes(json.dumps(mine).encode())]
-    candidates = sorted({s for steps in listed for s in steps})
-    if not candidates:
-        return None
-    step = candidates[-1]
-    own = tier.read(step, "own") if step in mine else None
-    peer = tier.read(step, "peer") if step in mine else None
-    saved = [
-        json.loads(b)
-        for b in exchange.allgather_bytes(
-            json.dumps(None if own is None else own.head["process_count"]).encode()
-        )
-    ]
-    shift, tier_name = exchange.peer_shift(), "local"
-    if shift and {c for c in saved if c is not None} == {count} and None in saved:
-        pairs = [((p + shift) % count, p) for p, c in enumerate(saved) if c is None]
-        pairs = [(src, dst) for src, dst in pairs if saved[src] is not None]
-        got = exchange.send_bytes(b"" if peer is None else peer.raw, pairs)
-        if got:
-            own = Held(got, f"process {(me + shift) % count}'s copy of step {step}")
-        tier_name = "peer" if pairs else tier_name
-    return Plan(step, tier_name, [h for h in (own, peer) if h is not None])
-
-
-def _indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, Any]:
-    return dict(sharding.addressable_devices_indices_map(shape))
-
-
-def build(chosen: Plan, canon_target: Any, where: str) -> Any:
-    """The canonical restored tree of ``chosen``'s step in ``canon_target``'s layouts.
-
-    Raises ``KeyError`` when this process's devices need a block it does not
-    hold, ``ValueError`` when a block fails its checksum, and the
-    ``CheckpointError`` of a target that does not match the step.
-    """
-    from dtensor.checkpoint.targets import target_abstract
-
-    head = chosen.head()
-    if head is None:
-        raise KeyError(f"this process holds none of step {chosen.step}")
-    by_path = {e["path"]: e for e in head["manifest"]["leaves"]}
-    abstract = target_abstract(canon_target, by_path, f"step {chosen.step} in {where}")
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    out = []
-    for keypath, a in leaves:
-        path = _path(keypath)
-        shape = tuple(a.shape)
-        if not isinstance(a, jax.ShapeDtypeStruct):
-            out.append(np.array(_need(chosen, path, tuple((0, n) for n in shape))))
-            continue
-        bufs = []
-        for device, index in _indices(a.sharding, shape).items():
-            block = _need(chosen, path, _box(index, shape))
-            bufs.append(jax.device_put(np.array(block, dtype=a.dtype), device))
-        out.append(jax.make_array_from_single_device_arrays(shape, a.sharding, bufs))
-    return treedef.unflatten(out)
-
-
-def _path(keypath: Any) -> str:
-    from dtensor.core.tree import path_str
-
-    return path_str(keypath)
-
-
-def _need(chosen: Plan, path: str, box: Box) -> np.ndarray:
-    block = chosen.find(path, box)
-    if block is None:
-        raise KeyError(
-            f"array {path!r} block {[list(b) for b in box]} of step {chosen.step} is not held by "
-            "this process (its own shards, its peer copy)"
-        )
-    return block
-
-
-def all_data_records(chosen: Plan) -> list[dict[str, Any]]:
-    """Every saving process's input position of the step, gathered from whoever holds it (collective).
-
-    Each local step holds every process's position (they are small), so any
-    surviving process can give them all; fewer than the saving processes: some
-    were saved without one.
-    """
-    mine = json.dumps(chosen.data_records()).encode()
-    found: dict[int, dict[str, Any]] = {}
-    for blob in exchange.allgather_bytes(mine):
-        for record in json.loads(blob):
-            found.setdefault(int(record["process_index"]), record)
-    return [found[p] for p in sorted(found)]
+def _write_file(path: Path, blob: Any) -> None:
+    # No fsync: a killed process's writes survive in the page cache; a lost host loses its
+    # tier whatever was synced, and its shards live on in the peer's copy.
+    with open(path, "wb") as f:
+        f.write(blob)

@@ -32,13 +32,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 TOTAL, KILL = 6, 6
 
 
-def _run(processes: int, ckpt, local, *kill: str, ok: bool = True) -> dict | None:
+def _run(
+    processes: int, ckpt, local, *kill: str, ok: bool = True, total: int = TOTAL
+) -> dict | None:
     r = run_worker(
         "tiers",
         processes,
         str(ckpt),
         str(local),
-        str(TOTAL),
+        str(total),
         *kill,
         devices_per_process=1,
         timeout_s=120,
@@ -84,16 +86,30 @@ def test_four_processes_resume_from_the_peer_tier_without_reading_the_bucket(
     assert resumed["params"] == straight["params"]
 
 
-@pytest.mark.extended
-def test_a_lost_slice_goes_on_with_fewer_processes_and_the_same_global_batch(tmp_path):
-    straight = _run(4, tmp_path / "a", tmp_path / "al")
-    _run(4, tmp_path / "b", tmp_path / "bl", str(KILL), "2,3", ok=False)
-    for gone in ("process_2", "process_3"):
-        shutil.rmtree(tmp_path / "bl" / gone)  # their hosts are gone for good
-    resumed = _run(2, tmp_path / "b", tmp_path / "bl")
-    assert (resumed["start"], resumed["tier"], resumed["processes"]) == (KILL - 1, "local", 2)
-    for (step, ids), (s0, ids0) in zip(resumed["seen"], straight["seen"][KILL - 1 :], strict=True):
+def _same_examples(resumed: dict, straight: dict, first: int) -> None:
+    for (step, ids), (s0, ids0) in zip(resumed["seen"], straight["seen"][first:], strict=False):
         assert step == s0 and sorted(ids) == sorted(ids0) and len(ids) == 8
+
+
+def _close(resumed: dict, straight: dict) -> None:
     got, want = _floats(resumed["params"]), _floats(straight["params"])
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.extended
+def test_a_lost_slice_goes_on_with_fewer_processes_and_back_with_the_same_global_batch(tmp_path):
+    """4 processes, a slice (2 and 3) lost at step 6; on 2 to step 8; on 4 again (new hosts) to 10."""
+    straight = _run(4, tmp_path / "a", tmp_path / "al", total=10)
+    _run(4, tmp_path / "b", tmp_path / "bl", str(KILL), "2,3", ok=False)
+    for gone in ("process_2", "process_3"):
+        shutil.rmtree(tmp_path / "bl" / gone)  # their hosts are gone for good
+    fewer = _run(2, tmp_path / "b", tmp_path / "bl", total=8)
+    # Each survivor holds the blocks its devices need (the slices were replicas): no transfer.
+    assert (fewer["start"], fewer["tier"], fewer["processes"]) == (KILL - 1, "local", 2)
+    _same_examples(fewer, straight, KILL - 1)
+    again = _run(4, tmp_path / "b", tmp_path / "bl", total=10)
+    # The new hosts' folders are empty: their blocks come from the survivors.
+    assert (again["start"], again["tier"], again["processes"]) == (8, "peer", 4)
+    _same_examples(again, straight, 8)
+    _close(again, straight)
