@@ -1,6 +1,6 @@
 """Worker: training with a local checkpoint tier beside the persistent one, killed and resumed.
 
-Usage: tiers.py CKPT_DIR LOCAL_DIR TOTAL_STEPS [KILL_STEP KILL_RANKS]
+Usage: tiers.py CKPT_DIR LOCAL_DIR TOTAL_STEPS [KILL_STEP KILL_RANKS [WHERE]]
 
 An NNX MLP under ``HybridStrategy(data=processes // 2, fsdp=2)`` (every array
 sharded: each process holds its own quarter or half, replicated across the
@@ -8,7 +8,10 @@ sharded: each process holds its own quarter or half, replicated across the
 through ``strategy.distribute_datasets_from_function``. The handler saves the
 local tier every step and the persistent tier (CKPT_DIR: a directory or a
 ``gs://`` URL) every 4 steps. With KILL_STEP=k, the ranks in KILL_RANKS (comma
-separated) SIGKILL themselves at the start of step k, as a host lost mid-step.
+separated) SIGKILL themselves at the start of step k, as a host lost mid-step;
+with WHERE=``copy``, inside the local save after step k instead, while the peer
+copy crosses the network (the step's own shards half written). Each killing rank
+prints ``KILL <unix time>`` first.
 Each rank prints one RESULT line: the step and tier it started from, the global
 batch ids of each step run, and the parameters (float32 hex) at the end.
 """
@@ -46,6 +49,7 @@ def main() -> None:
     ckpt, local, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
     kill_step = int(sys.argv[4]) if len(sys.argv) > 4 else None
     kill_ranks = {int(r) for r in sys.argv[5].split(",")} if len(sys.argv) > 5 else set()
+    kill_where = sys.argv[6] if len(sys.argv) > 6 else "step"
     rank, count = jax.process_index(), jax.process_count()
 
     def example(i: Any) -> dict:
@@ -67,6 +71,24 @@ def main() -> None:
         model = MLPModel(nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
     step_fn = make_train_step(mlp_loss)
+
+    running: list = []  # the handler, once built
+
+    def die() -> None:
+        print(f"KILL {time.time()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill_where == "copy" and rank in kill_ranks:
+        from dtensor.checkpoint import exchange
+
+        send = exchange.send_bytes
+
+        def send_then_die(payload: Any, pairs: Any) -> Any:
+            if running and running[0].total_run_calls == kill_step:
+                die()
+            return send(payload, pairs)
+
+        exchange.send_bytes = send_then_die
     t0 = time.monotonic()
     handler = PreemptionCheckpointHandler(
         ckpt,
@@ -78,6 +100,7 @@ def main() -> None:
         local_interval_steps=1,
         async_save=False,
     )
+    running.append(handler)
     out: dict = {
         "rank": rank,
         "processes": count,
@@ -90,8 +113,8 @@ def main() -> None:
         batch = next(data)
         ids = multihost_utils.process_allgather(batch["id"], tiled=True)
         out["seen"].append([handler.total_run_calls + 1, np.asarray(ids).tolist()])
-        if handler.total_run_calls + 1 == kill_step and rank in kill_ranks:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if handler.total_run_calls + 1 == kill_step and rank in kill_ranks and kill_where == "step":
+            die()
         handler.run(s.run, step_fn, args=(model, opt, batch))
     handler.close()
     params = nnx.state(model, nnx.Param).to_pure_dict()
