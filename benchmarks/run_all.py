@@ -1,6 +1,7 @@
 """Run every benchmark (``make bench``): comm_memory, overhead, peers, the plot, then
 coordinator, checkpoint_verify, safetensors_load, tpu_presets, gpu_presets, fsdp_scale,
-flax_gemma, experts, long_context, pipeline and measured_steps (skipped with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
+flax_gemma, experts, long_context, pipeline, measured_steps and checkpoint_tiers (skipped
+with ``--quick``). Not run: checkpoint_gcs (needs the ``gcs``
 extra), hosts_link (needs root and iproute2), maxtext_side (needs a MaxText venv), search
 (run by hand: ``python -m benchmarks.search --rows ...``).
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     plot.main(["--results", str(args.out or common.RESULTS)])
     if not args.quick:
         from . import (
+            checkpoint_tiers,
             checkpoint_verify,
             coordinator,
             experts,
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         long_context.main(out)
         pipeline.main(out)
         measured_steps.main(out)
+        checkpoint_tiers.main(out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,35 @@ def test_checkpoint_gcs_benchmark_refuses_a_bucket_that_is_not_a_url(capsys):
     with pytest.raises(SystemExit):
         checkpoint_gcs.main(["--bucket", "/tmp/not-a-bucket"])
     assert "--bucket '/tmp/not-a-bucket' is not a gs:// URL" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_tiers_benchmark_tiny(tmp_path):
+    """The tiers benchmark as a 2-process job with 4 MiB a process: every tier's save and
+    restore timed (each restore asserted in the job to come from its tier), and the
+    Young/Daly arithmetic from those times."""
+    from benchmarks import checkpoint_tiers
+
+    got = checkpoint_tiers.main(["--gib=0.004", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "checkpoint_tiers.json").read_text())
+    assert saved["benchmark"] == "checkpoint_tiers" and got["config"]["processes"] == 2
+    assert saved["bytes_per_process"] == pytest.approx(0.004 * 2**30, rel=0.05)
+    for key in ("persistent_save", "local_save", "local", "peer", "persistent"):
+        assert saved["median_s"][key] > 0
+    t, mtbf = saved["median_s"], 6 * 3600
+    row = saved["goodput"]["persistent only"]
+    assert row["interval_s"] == pytest.approx((2 * t["persistent_save_blocking"] * mtbf) ** 0.5)
+    assert row["lost_fraction"] == pytest.approx(
+        t["persistent_save_blocking"] / row["interval_s"]
+        + (row["interval_s"] / 2 + t["persistent"]) / mtbf
+    )
+
+
+def test_checkpoint_guide_tiers_table_is_the_results(capsys):
+    from benchmarks import checkpoint_tiers
+
+    checkpoint_tiers.main(["--markdown"])
+    table = capsys.readouterr().out.splitlines()
+    lines = (Path(__file__).resolve().parents[1] / "docs/guides/checkpoints.md").read_text()
+    missing = [line for line in table if line not in lines.splitlines()]
+    assert len(table) == 5 and not missing, missing

@@ -253,6 +253,31 @@ def test_the_winner_s_command_reproduces_the_printed_figures(tpu_search, cache, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.xdist_group("search")  # one search's compiles, on one worker
+def test_degraded_plans_a_slice_fewer_ahead_of_time_from_the_cache(tpu_search, cache, tmp_path):
+    """--num-slices 2 --degraded: the 2-slice search and the 1-slice one (a slice lost for
+    good, the same global batch), both cached; the 1-slice one is the run's search, read back."""
+    out = tmp_path / "degraded.json"
+    cli = ["--topology", "v5e:2x4", "--num-slices", "2", "--search", "--degraded"]
+    cli += ["--max-compiles", "2", "--cache-dir", str(cache), "--json", str(out)]
+    assert aot.main([*cli, "--", TRAIN, *TINY]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved) == {"1", "2"}
+    assert saved["1"]["compiles"] == 0 and saved["1"]["best"]["argv"] == tpu_search.best["argv"]
+    assert saved["2"]["best"]["fits"] and saved["2"]["compiles"] >= 1
+    assert aot.main([*cli, "--", TRAIN, *TINY]) == 0  # again: every compile read back
+    again = json.loads(out.read_text())
+    assert again["2"]["compiles"] == 0 and again["2"]["best"]["argv"] == saved["2"]["best"]["argv"]
+
+
+def test_degraded_needs_two_slices_or_more(capsys):
+    cli = ["--topology", "v5e:2x4", "--search", "--degraded", "--", TRAIN, *TINY]
+    assert aot.main(cli) == 2
+    assert "give --num-slices 2 or more" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 @pytest.mark.xdist_group("search")  # one search's compiles, on one worker
 def test_the_model_against_the_gpu_compiler(cache):
     found = dtensor.tpu.search_plans(TRAIN, TINY, topology="h100:1x8", max_compiles=2,

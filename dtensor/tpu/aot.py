@@ -265,6 +265,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="--search/--fit: compile at most this many plans (default 6 for --search)",
     )
+    p.add_argument(
+        "--degraded",
+        action="store_true",
+        help="--search/--fit with --num-slices N: also plan for N - 1 slices (a slice lost for "
+        "good, the job going on with the same global batch), ahead of time; both searches' "
+        "compiles are cached, so the restart's plan is known before it is needed",
+    )
     p.add_argument("--cache-dir", help="--search/--fit: where compiled results are kept")
     p.add_argument(
         "--max-gib",
@@ -328,26 +335,44 @@ def _search(script: str, script_argv: list[str], args: argparse.Namespace) -> in
     from dtensor.tpu.views import CompileProgress, render
 
     mode = "search" if args.search else "fit"
-    print(f"dtensor.aot --{mode}: {script} {' '.join(script_argv)} on {args.topology}", flush=True)
-    options: dict[str, Any] = {
-        "topology": args.topology,
-        "num_slices": args.num_slices,
-        "cache_dir": args.cache_dir,
-        "max_bytes_per_chip": None if args.max_gib is None else args.max_gib * (1 << 30),
-    }
-    if args.max_compiles is not None:
-        options["max_compiles"] = args.max_compiles
-    try:
-        with CompileProgress() as progress:
-            run = search_plans if args.search else fit
-            found = run(script, script_argv, progress=progress, **options)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if args.degraded and args.num_slices < 2:
+        print(
+            f"error: --degraded plans for one slice fewer than --num-slices {args.num_slices}; "
+            "give --num-slices 2 or more",
+            file=sys.stderr,
+        )
         return 2
+    counts = [args.num_slices, args.num_slices - 1] if args.degraded else [args.num_slices]
+    results = {}
+    for slices in counts:
+        where = args.topology + (f" x {slices} slices" if slices > 1 else "")
+        lead = "degraded, " if slices < args.num_slices else ""
+        print(
+            f"dtensor.aot --{mode}: {lead}{script} {' '.join(script_argv)} on {where}", flush=True
+        )
+        options: dict[str, Any] = {
+            "topology": args.topology,
+            "num_slices": slices,
+            "cache_dir": args.cache_dir,
+            "max_bytes_per_chip": None if args.max_gib is None else args.max_gib * (1 << 30),
+        }
+        if args.max_compiles is not None:
+            options["max_compiles"] = args.max_compiles
+        try:
+            with CompileProgress() as progress:
+                run = search_plans if args.search else fit
+                found = run(script, script_argv, progress=progress, **options)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(render(found), end="")
+        results[slices] = found
     if args.json:
-        _write(args.json, found.to_dict())
-    print(render(found), end="")
-    return 0 if found.best is not None else 1
+        if args.degraded:
+            _write(args.json, {str(n): f.to_dict() for n, f in results.items()})
+        else:
+            _write(args.json, results[args.num_slices].to_dict())
+    return 0 if all(f.best is not None for f in results.values()) else 1
 
 
 def cli() -> int:
