@@ -12,6 +12,7 @@ where sharded presets used to fail.
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -96,3 +97,40 @@ def test_stages_spanning_the_processes_read_one_share_and_train_as_one_process(
     assert (result["processes"], result["devices"]) == (2, 8)
     for key in ("loss_first", "loss_last"):
         assert result[key] == pytest.approx(one_process[key], rel=2e-5), (schedule, key)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_the_local_tier_command_resumes_a_replaced_process_from_its_peer(tmp_path):
+    """The checkpoints guide's command, `--local-checkpoints DIR --local-every N`, on 2 processes:
+    stopped at step 4 and restarted with process 1's disk empty and no persistent step, the run
+    resumes from the peer tier and ends where an uninterrupted run ends."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80", "JAX_PLATFORMS": "cpu"}
+    env.pop("DTENSOR_DEVICES_PER_PROCESS", None)
+
+    def run(out: Path, local: Path, steps: int) -> dict:
+        train = [sys.executable, "-m", "dtensor.launch", "-n", "2", "--", sys.executable]
+        train += [str(ROOT / "examples" / "train.py"), "--strategy", "fully_sharded"]
+        train += ["--local-checkpoints", str(local), "--local-every", "2", "--save-every", "100"]
+        train += ["--steps", str(steps), "--sample-chars", "3", "--quiet", "--out", str(out)]
+        proc = subprocess.run(
+            ["timeout", "-k", "10", "280", *train],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return json.loads((out / "fully_sharded" / "results.json").read_text())
+
+    straight = run(tmp_path / "a", tmp_path / "al", 6)
+    first = run(tmp_path / "b", tmp_path / "bl", 4)
+    assert (first["restored_from_tier"], first["global_batch"]) == (None, 32)
+
+    shutil.rmtree(tmp_path / "b" / "fully_sharded" / "checkpoints" / "4")  # the bucket lags
+    shutil.rmtree(tmp_path / "bl" / "process_1")  # a replacement host
+    resumed = run(tmp_path / "b", tmp_path / "bl", 6)
+    assert (resumed["resumed_from"], resumed["restored_from_tier"]) == (4, "peer")
+    assert resumed["global_batch"] == 32 and resumed["processes"] == 2
+    assert resumed["loss_last"] == straight["loss_last"]
