@@ -12,8 +12,8 @@ where sharded presets used to fail.
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
