@@ -323,17 +323,44 @@ class PreemptionCheckpointHandler:
 
     def _preempt(self, step: int) -> None:
         save_fn = self.termination_config.save_fn
-        if save_fn is not None:
-            save_fn()
+        try:
+            if save_fn is not None:
+                save_fn()
+            else:
+                self.save(step)
+            self.close()
+        except Exception as e:  # noqa: BLE001 - said at once; the restart resumes from what stands
+            self._closed = True
+            _log.error(
+                "the preemption checkpoint of step %d FAILED (%s: %s); a restart resumes from %s",
+                step,
+                type(e).__name__,
+                str(e)[:400],
+                self._what_stands(step),
+            )
         else:
-            self.save(step)
-        _log.warning("preemption checkpoint at step %d written; exiting", step)
-        self.close()
+            _log.warning("preemption checkpoint at step %d written; exiting", step)
         exit_fn = self.termination_config.exit_fn
         if exit_fn is not None:
             exit_fn()
         else:
             sys.exit(RESTARTABLE_EXIT_CODE)
+
+    def _what_stands(self, step: int) -> str:
+        """The newest step a restart can take after a failed save of ``step`` (this process's view)."""
+        local = self._checkpointer.local
+        if local is not None:
+            try:
+                local.wait()
+            except OSError:
+                pass
+            if step in local.steps():
+                return f"the local tier's step {step} (in {local.folder})"
+        try:
+            steps = [s for s in self._checkpointer.all_steps() if s < step]
+        except Exception:  # noqa: BLE001 - the store that just failed may fail again
+            steps = []
+        return f"persistent step {steps[-1]}" if steps else "step 0 (no earlier complete step)"
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

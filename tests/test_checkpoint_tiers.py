@@ -176,3 +176,58 @@ def test_the_handler_resumes_model_optimizer_and_data_from_the_local_tier_bitwis
     start, tier, resumed = run(None, tmp_path / "b", tmp_path / "bl")
     assert (start, tier) == (5, "local")
     jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+
+
+def test_a_failed_preemption_save_says_so_at_once_and_the_local_tier_keeps_the_step(
+    tmp_path, caplog
+):
+    """The bucket's write fails at preemption: the handler says so naming the step and what a
+    restart resumes from, exits as preempted, and the restart takes the local tier's step."""
+    from strategies.failure_handling import TerminationConfig
+
+    s = strategies.MirroredStrategy()
+    batches = mlp_batches(steps=6, batch=8)
+    step_fn = make_train_step(mlp_loss)
+
+    class Stopped(Exception):
+        pass
+
+    def stop() -> None:
+        raise Stopped
+
+    def build():
+        with s.scope():
+            model = MLPModel(nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+        return model, opt
+
+    model, opt = build()
+    h = PreemptionCheckpointHandler(
+        tmp_path / "p",
+        {"model": model, "opt": opt},
+        s,
+        local_directory=tmp_path / "l",
+        termination_config=TerminationConfig(
+            exit_fn=stop, termination_watcher_fn=lambda: h.total_run_calls == 3
+        ),
+    )
+
+    def broken(*args, **kwargs):
+        raise OSError(27, "File too large")
+
+    h.checkpointer._manager.save = broken  # the persistent store fails mid-preemption
+    with pytest.raises(Stopped), caplog.at_level("ERROR"):
+        while True:
+            h.run(s.run, step_fn, args=(model, opt, batches[h.total_run_calls]))
+    (record,) = [r for r in caplog.records if "FAILED" in r.getMessage()]
+    assert "preemption checkpoint of step 3 FAILED (OSError" in record.getMessage()
+    assert "a restart resumes from the local tier's step 3" in record.getMessage()
+    want = jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+    model2, opt2 = build()
+    h2 = PreemptionCheckpointHandler(
+        tmp_path / "p", {"model": model2, "opt": opt2}, s, local_directory=tmp_path / "l"
+    )
+    assert (h2.total_run_calls, h2.restored_from_tier) == (3, "local")
+    got = jax.tree.map(np.asarray, nnx.state(model2, nnx.Param).to_pure_dict())
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    h2.close()

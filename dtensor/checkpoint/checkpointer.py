@@ -293,6 +293,8 @@ class Checkpointer:
         position = None if data is None else datastate.capture(data)
         self._manager.wait_until_finished()  # one step in flight: the commit hook knows which
         arrays, manifest = prepare_save(canon(tree), step)
+        if self.local is not None:  # first: it stands whatever becomes of the persistent write
+            self._save_local(step, arrays, manifest, position)
         record = {
             "format": 1,
             "algorithm": "crc32",
@@ -311,8 +313,6 @@ class Checkpointer:
         self._pending = step
         with storage.store_errors(self.directory):
             started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
-        if self.local is not None:
-            self._save_local(step, arrays, manifest, position)
         if not self.async_save:
             self.wait()
         return started
