@@ -11,6 +11,7 @@ and nothing but the ring's neighbours' rows is sent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +21,7 @@ import numpy as np
 __all__ = ["CHUNK_BYTES", "allgather_bytes", "peer_shift", "send_bytes"]
 
 CHUNK_BYTES = 128 << 20
-"""Bytes a process sends per collective: the copy's device memory stays this small (two
-buffers of it), whatever the size of the process's shards."""
+"""Bytes a process sends per collective (one compiled program for every piece)."""
 
 
 def _one_device_per_process() -> list[Any]:
@@ -46,12 +46,16 @@ def _as_words(payload: Any, words: int) -> np.ndarray:
     return buf.view(np.uint32).reshape(1, words)
 
 
-def send_bytes(payload: Any, pairs: Sequence[tuple[int, int]]) -> Any:
+def send_bytes(payload: Any, pairs: Sequence[tuple[int, int]], *, wait: bool = True) -> Any:
     """Every process calls this; ``(source, destination)`` pairs say who sends its ``payload`` to whom.
 
     ``payload`` is any bytes-like object. Returns the bytes this process
     received, as a ``memoryview`` (``None`` when no pair names it as the
-    destination). Each process is the destination of at most one pair.
+    destination). Each process is the destination of at most one pair. With
+    ``wait=False`` the transfer is only dispatched (JAX runs it in the
+    background, ordered before whatever the devices run next) and a function
+    is returned that waits for it and gives the received bytes: another thread
+    may call it while training goes on.
 
     Examples:
         >>> from dtensor.checkpoint.exchange import send_bytes
@@ -67,7 +71,8 @@ def send_bytes(payload: Any, pairs: Sequence[tuple[int, int]]) -> Any:
     lengths = _lengths(len(payload))
     source = {d: s for s, d in pairs}
     if count == 1:
-        return memoryview(payload) if 0 in source else None
+        got = memoryview(payload) if 0 in source else None
+        return got if wait else (lambda: got)
     total = max(lengths)
     chunk = min(CHUNK_BYTES, -(-max(1, total) // 4) * 4)  # one compiled shape for every piece
     devices = _one_device_per_process()
@@ -75,21 +80,26 @@ def send_bytes(payload: Any, pairs: Sequence[tuple[int, int]]) -> Any:
     spec = jax.sharding.PartitionSpec("process")
     sharding = jax.sharding.NamedSharding(mesh, spec)
     move = _ppermute(mesh, spec, tuple(pairs))
-    out = np.empty(-(-max(1, total) // chunk) * chunk, np.uint8) if me in source else None
-    view = memoryview(payload)
+    view, moved = memoryview(payload), []
     for at in range(0, max(1, total), chunk):
         row = jax.device_put(_as_words(view[at : at + chunk], chunk // 4), devices[me])
         rows = jax.make_array_from_single_device_arrays((count, chunk // 4), sharding, [row])
         with jax.set_mesh(mesh):  # not the caller's mesh (a restore runs under the strategy's)
-            moved = move(rows)
-        if out is not None:
-            got = np.asarray(moved.addressable_shards[0].data).reshape(-1).view(np.uint8)
-            out[at : at + chunk] = got
-    if out is None:
-        return None
-    return memoryview(out.data)[: lengths[source[me]]]
+            moved.append(move(rows))
+
+    def received() -> Any:
+        if me not in source:
+            return None
+        out = np.empty(len(moved) * chunk, np.uint8)
+        for i, piece in enumerate(moved):
+            got = np.asarray(piece.addressable_shards[0].data).reshape(-1).view(np.uint8)
+            out[i * chunk : (i + 1) * chunk] = got
+        return memoryview(out.data)[: lengths[source[me]]]
+
+    return received() if wait else received
 
 
+@functools.lru_cache(maxsize=64)
 def _ppermute(
     mesh: jax.sharding.Mesh, spec: jax.sharding.PartitionSpec, pairs: tuple
 ) -> Callable[[jax.Array], jax.Array]:

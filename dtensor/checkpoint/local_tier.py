@@ -177,12 +177,13 @@ class LocalTier:
         # Its own shards are written while the peer copy crosses the network.
         first = self._start(lambda: _write_file(tmp / "own.bin", own), f"own-{step}")
         count, shift = jax.process_count(), 0 if alone else exchange.peer_shift()
-        peer = None
-        if shift:
+        received = None
+        if shift:  # dispatched: the copy crosses while training goes on, read by the writer
             pairs = [(p, (p + shift) % count) for p in range(count)]
-            peer = exchange.send_bytes(own, pairs)
+            received = exchange.send_bytes(own, pairs, wait=False)
 
         def finish() -> None:
+            peer = None if received is None else received()
             first.join()
             if self._error is not None:
                 return

@@ -83,10 +83,10 @@ def main() -> None:
 
         send = exchange.send_bytes
 
-        def send_then_die(payload: Any, pairs: Any) -> Any:
+        def send_then_die(payload: Any, pairs: Any, **kw: Any) -> Any:
             if running and running[0].total_run_calls == kill_step:
                 die()
-            return send(payload, pairs)
+            return send(payload, pairs, **kw)
 
         exchange.send_bytes = send_then_die
     t0 = time.monotonic()
