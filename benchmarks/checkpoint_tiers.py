@@ -8,19 +8,21 @@ Then the goodput arithmetic: for a mean time between failures ``M``
 (``--mtbf-hours``), Young/Daly's checkpoint interval ``tau = sqrt(2 C M)``
 from the blocking save time ``C``, and the fraction of time lost,
 ``C / tau + (tau / 2 + R) / M`` with ``R`` the restore time (the persistent
-tier's, or the peer tier's for a replaced host). The persistent tier here is a
-directory on the same local disk (a bucket is slower: see
-``benchmarks/results/checkpoint_gcs.json``), and the peer copy crosses gloo on
-loopback, so these figures bound what the tiers cost on this machine, not on a
-TPU slice.
+tier's, or the peer tier's for a replaced host). The persistent tier is a
+``gs://`` bucket in ``gcp-storage-emulator`` started here (a single Python
+thread on the same disk: the cost of the HTTP path, not a real bucket's
+bandwidth), or with ``--persistent disk`` a directory; the peer copy crosses
+gloo on loopback. These figures say what the tiers cost on this machine, not on
+a TPU slice.
 
-    python -m benchmarks.checkpoint_tiers [--gib 1.0] [--rounds 1] [--mtbf-hours 6] [--out DIR]
+    python -m benchmarks.checkpoint_tiers [--gib 1.0] [--rounds 1] [--mtbf-hours 6] [--persistent bucket|disk] [--out DIR]
     python -m benchmarks.checkpoint_tiers --markdown    # the guide's table, from the results
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,13 +60,14 @@ def markdown(payload: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     plans = {"persistent": "persistent only", "local": "local tier (peer restore)"}
+    where = "a bucket" if payload["config"]["persistent"].startswith("gcp") else "a directory"
 
     def lost(name: str) -> str:
         row = g[plans[name]]
         return f"{row['interval_s']:.0f} s | {100 * row['lost_fraction']:.2f}%"
 
     return head + [
-        f"| persistent (a directory) | {t['persistent_save_blocking']:.2f} s | "
+        f"| persistent ({where}) | {t['persistent_save_blocking']:.2f} s | "
         f"{t['persistent_save']:.2f} s | {t['persistent']:.2f} s | {lost('persistent')} |",
         f"| local | {t['local_save_blocking']:.2f} s | {t['local_save']:.2f} s | "
         f"{t['local']:.2f} s | {lost('local')} |",
@@ -79,6 +82,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mtbf-hours", type=float, default=6.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--persistent",
+        choices=("bucket", "disk"),
+        default="bucket",
+        help="the persistent tier: a gs:// bucket in gcp-storage-emulator started here on "
+        "127.0.0.1 (the default; needs the gcs extra), or a directory on the local disk",
+    )
+    parser.add_argument(
         "--markdown",
         action="store_true",
         help="print the guide's table from the committed results (no run)",
@@ -88,12 +98,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         payload = json.loads((common.RESULTS / "checkpoint_tiers.json").read_text())
         print("\n".join(markdown(payload)))
         return payload
-    with tempfile.TemporaryDirectory(prefix="ckpt_tiers_") as work:
+    with tempfile.TemporaryDirectory(prefix="ckpt_tiers_") as work, contextlib.ExitStack() as st:
         cmd = [sys.executable, "-m", "dtensor.launch", "-n", "2", "--", sys.executable]
         cmd += ["-m", "benchmarks.checkpoint_tiers_job", "--gib", str(args.gib)]
         cmd += ["--rounds", str(args.rounds), "--work", work]
         env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if args.persistent == "bucket":
+            from tests.gcs import emulator, fresh_url
+
+            (Path(work) / "gcs").mkdir()
+            env.update(st.enter_context(emulator(Path(work) / "gcs" / "data")).env)
+            cmd += ["--persistent", fresh_url("tiers")]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
     lines = [ln for ln in done.stdout.splitlines() if "RESULT " in ln]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"the job failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -111,7 +127,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "processes": job["processes"],
             "devices": job["devices"],
             "mtbf_hours": args.mtbf_hours,
-            "persistent": "a directory on the same local disk",
+            "persistent": (
+                "gcp-storage-emulator on 127.0.0.1 (single-threaded, same disk)"
+                if args.persistent == "bucket"
+                else "a directory on the same local disk"
+            ),
             "peer copy": "gloo collectives on loopback",
         },
         "bytes_per_process": job["bytes_per_process"],

@@ -29,6 +29,11 @@ parser.add_argument("--gib", type=float, default=1.0, help="GiB of arrays per pr
 parser.add_argument("--arrays", type=int, default=4)
 parser.add_argument("--rounds", type=int, default=1)
 parser.add_argument("--work", type=Path, required=True)
+parser.add_argument(
+    "--persistent",
+    default=None,
+    help="the persistent tier's directory or gs:// URL (default: WORK)",
+)
 flags = parser.parse_args()
 dtensor.initialize(timeout_s=120)
 
@@ -84,7 +89,8 @@ def main() -> None:
     }
     me = jax.process_index()
     for r in range(flags.rounds):
-        persistent, local = flags.work / f"p{r}", flags.work / f"l{r}"
+        base = flags.persistent or str(flags.work)
+        persistent, local = f"{base}/p{r}", flags.work / f"l{r}"
         with Checkpointer(persistent) as ck:
             start = time.perf_counter()
             times["persistent_save_blocking"].append(_timed(f"ps{r}", lambda: ck.save(1, tree)))
@@ -105,8 +111,7 @@ def main() -> None:
                 assert ck.restored_tier == tier, (tier, ck.restored_tier)
         dtensor.barrier(f"clean-{r}")
         if me == 0:
-            shutil.rmtree(persistent, ignore_errors=True)
-            shutil.rmtree(local, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)  # the persistent steps: with the run's dir
     if me == 0:
         out = {
             "bytes_per_process": per_process,
