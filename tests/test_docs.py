@@ -208,22 +208,19 @@ def test_executed_notebooks_match_the_tutorials(name):
 
 
 def test_large_models_guide_example_runs_scaled_down():
-    """The guide's fit check, on the small decoder and v5e:2x2 (the 7b on v5e:4x4 takes minutes)."""
+    """The guide's fit check, on the tiny decoder and v5e:2x2 (the 7b on v5e:4x4 takes minutes).
+
+    Run here with ``exec``, not in a new interpreter: the code is the guide's, its imports
+    and its TPU compile the same; a process of its own would add only JAX's start-up.
+    """
     guide = (
         Path(__file__).resolve().parents[1] / "docs" / "guides" / "large_models.md"
     ).read_text()
     code = re.findall(r"```python\n(.*?)```", guide, re.S)[0]
     assert 'CONFIGS["7b"]' in code and '"v5e:4x4"' in code and "(16, 1024)" in code
-    code = code.replace('CONFIGS["7b"]', 'CONFIGS["small"]').replace('"v5e:4x4"', '"v5e:2x2"')
+    code = code.replace('CONFIGS["7b"]', 'CONFIGS["tiny"]').replace('"v5e:4x4"', '"v5e:2x2"')
     code = code.replace("(16, 1024)", "(8, 128)")
-    code += "\nprint(report.memory_fit.fits, report.peak_bytes_per_device > 0)\n"
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True True"
+    names: dict = {"__name__": "large_models_guide"}
+    exec(compile(code, "docs/guides/large_models.md", "exec"), names)
+    report = names["report"]
+    assert report.memory_fit.fits and report.peak_bytes_per_device > 0

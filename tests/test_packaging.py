@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.once import once
+
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
@@ -79,8 +81,13 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
+    """The sdist and the wheel, built once a run (the workers share them)."""
+    return once(tmp_path_factory, "packaging-dist", _build)
+
+
+def _build(work: Path) -> Path:
     # Build from a copy, so the build's egg-info and build/ never land in the checkout.
-    src = tmp_path_factory.mktemp("src") / "jax-dtensor"
+    src = work / "src" / "jax-dtensor"
     files = _source_files()
     size = sum(f.stat().st_size for f in files)
     assert size < 200 * 2**20, f"the source tree to build is {size / 2**20:.0f} MiB"
@@ -88,7 +95,8 @@ def dist(tmp_path_factory) -> Path:
         target = src / f.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, target)
-    out = tmp_path_factory.mktemp("dist")
+    out = work / "dist"
+    out.mkdir()
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

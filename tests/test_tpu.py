@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -184,6 +185,17 @@ def abstract_block():
     return abstract_block_step(64)
 
 
+@functools.cache
+def _preset_report(topology: str, num_slices: int, name: str):
+    """The preset and its explain of the block's step on the topology, compiled once a process:
+    the per-preset test and the state-size test below read the same compiles (their
+    ``tpu-presets`` group keeps them on one xdist worker)."""
+    step, args = abstract_block_step(64)
+    devices = dtensor.tpu_topology(topology, num_slices=num_slices)
+    strategy = strategies.from_name(name, devices=devices)
+    return strategy, strategy.explain(step, args=args)
+
+
 def _argument_bytes(report) -> tuple[int, int]:
     """(state, batch) bytes per device: each input's shard, in the compiled TPU layout."""
     compiled = report.compiled
@@ -199,13 +211,11 @@ def _argument_bytes(report) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tpu-presets")
 @pytest.mark.parametrize(("topology", "num_slices"), TOPOLOGIES, ids=lambda v: str(v))
-def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
-    step, args = abstract_block
-    devices = dtensor.tpu_topology(topology, num_slices=num_slices)
+def test_every_preset_compiles_for_tpu(topology, num_slices):
     for name in strategies.PRESET_NAMES:
-        strategy = strategies.from_name(name, devices=devices)
-        report = strategy.explain(step, args=args)
+        strategy, report = _preset_report(topology, num_slices, name)
         assert report.mesh == repr(strategy.mesh)
         assert not [w for w in report.warnings if w.kind == "silent-replication"], name
         # The compiled arguments are exactly the variables over their shards, plus the batch.
@@ -228,11 +238,10 @@ def test_every_preset_compiles_for_tpu(abstract_block, topology, num_slices):
             assert report.dcn_bytes_per_device > 0, name
 
 
-def test_sharded_state_is_smaller_per_chip(abstract_block):
-    step, args = abstract_block
-    devices = dtensor.tpu_topology("v5e:4x4")
-    mirrored = strategies.from_name("mirrored", devices=devices).explain(step, args=args)
-    fsdp = strategies.from_name("fully_sharded", devices=devices).explain(step, args=args)
+@pytest.mark.xdist_group("tpu-presets")
+def test_sharded_state_is_smaller_per_chip():
+    _, mirrored = _preset_report("v5e:4x4", 1, "mirrored")
+    _, fsdp = _preset_report("v5e:4x4", 1, "fully_sharded")
     state_m, _ = _argument_bytes(mirrored)
     state_f, _ = _argument_bytes(fsdp)
     assert mirrored.state_bytes_per_device == sum(v.global_bytes for v in mirrored.variables)

@@ -29,4 +29,6 @@ def test_dataset_shares_and_communication_options_across_processes():
         assert losses["hierarchical"][1] == ["all-gather", "all-reduce", "reduce-scatter"]
     assert got[0]["losses"]["default"] == got[1]["losses"]["default"]
     assert got[0]["share_error"] is None
-    assert "2 rows per process x 2 input pipelines but global_batch_size is 8" in got[1]["share_error"]
+    assert (
+        "2 rows per process x 2 input pipelines but global_batch_size is 8" in got[1]["share_error"]
+    )
